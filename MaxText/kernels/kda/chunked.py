@@ -1,0 +1,140 @@
+"""Chunk-parallel KDA in plain JAX (XLA): the WY representation of the delta rule, one scan step per chunk.
+
+Within a chunk of C tokens, with G the in-chunk cumulative log-decay (G_i = g_1 + ... + g_i, per key channel):
+    A_kk[i, j] = beta_i * sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])      (j < i)
+    A_qk[i, j] =          sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])      (j <= i)
+    (I + A_kk) [u | w] = [beta v | beta k exp(G)]                        (unit lower-triangular solve)
+and across chunks, from the state S at the chunk's start:
+    v_new = u - w S;   o = (q exp(G)) S + A_qk v_new;   S = exp(G_C) S + (k exp(G_C - G))^T v_new.
+
+Exactness for very negative gates: no factor exp(G_i) * exp(-G_j) is ever formed (it overflows once the decay
+inside a chunk passes ~-88). Pairs inside a 16-token sub-chunk use exp(G_i - G_j) per channel directly; pairs
+across sub-chunks go through the first token r of the row's sub-chunk, exp(G_i - G_r) * exp(G_r - G_j), both
+exponents <= 0 because j < r <= i and the log-decays are <= 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.kernels.kda.common import HIGHEST, prepare_inputs
+
+SUB_CHUNK = 16
+
+
+def _intra_chunk_scores(q, k, G, sub_chunk):
+    """A_qk (lower, with diagonal) and K K^T decay scores (strictly lower) for each chunk.
+
+    q, k, G: [..., C, K] float32 -> two [..., C, C] arrays.
+    """
+    *lead, chunk, head_dim = q.shape
+    n_sub = chunk // sub_chunk
+    qs, ks, Gs = (x.reshape(*lead, n_sub, sub_chunk, head_dim) for x in (q, k, G))  # [..., n, s, K]
+
+    # Pairs inside one sub-chunk: exact per-channel relative decay.
+    rel = Gs[..., :, None, :] - Gs[..., None, :, :]  # [..., n, s(i), s(j), K]
+    lower = jnp.tril(jnp.ones((sub_chunk, sub_chunk), bool))
+    decay = jnp.exp(jnp.where(lower[..., None], rel, -jnp.inf))
+    qk_diag = jnp.einsum("...ic,...jc,...ijc->...ij", qs, ks, decay, precision=HIGHEST)
+    kk_diag = jnp.einsum("...ic,...jc,...ijc->...ij", ks, ks, decay, precision=HIGHEST)
+
+    # Pairs across sub-chunks: reference r = first token of the row's sub-chunk.
+    G_ref = Gs[..., :, :1, :]  # [..., n, 1, K]
+    row_decay = jnp.exp(Gs - G_ref)  # [..., n, s, K], exponents <= 0
+    col_before_ref = jnp.arange(chunk)[None, :] < (jnp.arange(n_sub) * sub_chunk)[:, None]  # [n, C]
+    col_decay = jnp.exp(jnp.where(col_before_ref[..., None], G_ref - G[..., None, :, :], -jnp.inf))  # [..., n, C, K]
+    k_cols = k[..., None, :, :] * col_decay
+    qk_off = jnp.einsum("...nic,...njc->...nij", qs * row_decay, k_cols, precision=HIGHEST)  # [..., n, s, C]
+    kk_off = jnp.einsum("...nic,...njc->...nij", ks * row_decay, k_cols, precision=HIGHEST)
+
+    eye = jnp.eye(n_sub, dtype=q.dtype)[:, None, :, None]  # places [n, s, s] blocks on the diagonal
+    def assemble(off, diag):
+        full = off.reshape(*lead, n_sub, sub_chunk, n_sub, sub_chunk) + diag[..., :, :, None, :] * eye
+        return full.reshape(*lead, chunk, chunk)
+
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    return assemble(qk_off, qk_diag), jnp.where(strict, assemble(kk_off, kk_diag), 0.0)
+
+
+def _chunked_forward(q, k, v, g, beta, initial_state, chunk_size):
+    """q (pre-scaled), k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; float32 -> (o, final state)."""
+    batch, seq_len, num_heads, head_k = q.shape
+    head_v = v.shape[-1]
+    pad = (-seq_len) % chunk_size
+    if pad:  # zero k/v/beta and zero log-decay: padded steps neither decay nor update the state
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
+    n_chunks = (seq_len + pad) // chunk_size
+
+    def to_chunks(x):  # [B, T, H, D] -> [N, B, H, C, D]
+        x = x.reshape(batch, n_chunks, chunk_size, num_heads, -1)
+        return jnp.transpose(x, (1, 0, 3, 2, 4))
+
+    q, k, v, g = (to_chunks(x) for x in (q, k, v, g))
+    beta = to_chunks(beta[..., None])  # [N, B, H, C, 1]
+    G = jnp.cumsum(g, axis=-2)  # [N, B, H, C, K]
+    sub_chunk = min(SUB_CHUNK, chunk_size)
+    A_qk, A_kk = _intra_chunk_scores(q, k, G, sub_chunk)  # [N, B, H, C, C]
+    eye = jnp.eye(chunk_size, dtype=jnp.float32)
+    rhs = jnp.concatenate([beta * v, beta * k * jnp.exp(G)], axis=-1)  # [N, B, H, C, V + K]
+    uw = jax.scipy.linalg.solve_triangular(eye + beta * A_kk, rhs, lower=True, unit_diagonal=True)
+    u, w = uw[..., :head_v], uw[..., head_v:]
+
+    def step(state, xs):  # state: [B, H, K, V]
+        q_c, k_c, G_c, u_c, w_c, A_qk_c = xs
+        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, state, precision=HIGHEST)
+        o_c = (jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G_c), state, precision=HIGHEST)
+               + jnp.einsum("bhij,bhjv->bhiv", A_qk_c, v_new, precision=HIGHEST))
+        G_last = G_c[..., -1:, :]  # [B, H, 1, K]
+        state = (state * jnp.exp(G_last)[..., 0, :, None]
+                 + jnp.einsum("bhck,bhcv->bhkv", k_c * jnp.exp(G_last - G_c), v_new, precision=HIGHEST))
+        return state, o_c
+
+    final_state, o = jax.lax.scan(step, initial_state, (q, k, G, u, w, A_qk))  # o: [N, B, H, C, V]
+    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(batch, n_chunks * chunk_size, num_heads, head_v)
+    return o[:, :seq_len], final_state
+
+
+def _unpack_index(cu_seqlens):
+    """Host-side gather plan for a pack: token index per (sequence, step), validity, and the inverse map."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    lengths = np.diff(cu)
+    max_len = max(int(lengths.max()), 1)
+    steps = np.arange(max_len)
+    valid = steps[None, :] < lengths[:, None]  # [N, L]
+    gather = np.where(valid, cu[:-1, None] + steps[None, :], 0)  # [N, L]
+    seq_ids = np.repeat(np.arange(len(lengths)), lengths)
+    inverse = seq_ids * max_len + (np.arange(cu[-1]) - cu[seq_ids])  # packed token -> flat [N * L] index
+    return gather, valid, inverse
+
+
+def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                cu_seqlens=None, chunk_size=64):
+    """fla-style chunked KDA; returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] float32 or None).
+
+    `cu_seqlens` must be concrete (a host array), as fla prepares its chunk indices on the host too.
+    """
+    if chunk_size < 1 or (chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
+        raise ValueError(f"chunk_size={chunk_size}: must be a multiple of {SUB_CHUNK}, or a positive value below it")
+    if cu_seqlens is not None and isinstance(cu_seqlens, jax.core.Tracer):
+        raise ValueError("chunked_kda needs cu_seqlens as a concrete array (it plans the pack on the host); got a "
+                         "traced value -- pass it as a static numpy array, or use the naive implementation")
+    x = prepare_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                       A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+    if cu_seqlens is None:
+        o, final_state = _chunked_forward(*x, chunk_size)
+    else:
+        gather, valid, inverse = _unpack_index(cu_seqlens)
+        mask = jnp.asarray(valid)
+
+        def unpack(t, fill_mask):  # [1, T, H, D] -> [N, L, H, D], zero outside each sequence
+            out = t[0][gather]
+            return jnp.where(fill_mask.reshape(fill_mask.shape + (1,) * (out.ndim - 2)), out, 0.0)
+
+        q_, k_, v_, g_, beta_ = (unpack(t, mask) for t in (x.q, x.k, x.v, x.g, x.beta))
+        o, final_state = _chunked_forward(q_, k_, v_, g_, beta_, x.initial_state, chunk_size)
+        o = o.reshape(-1, *o.shape[2:])[jnp.asarray(inverse)][None]
+    return o.astype(q.dtype), (final_state if output_final_state else None)
