@@ -15,6 +15,8 @@ exponents <= 0 because j < r <= i and the log-decays are <= 0.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +60,7 @@ def _intra_chunk_scores(q, k, G, sub_chunk):
     return assemble(qk_off, qk_diag), jnp.where(strict, assemble(kk_off, kk_diag), 0.0)
 
 
+@functools.partial(jax.jit, static_argnames="chunk_size")
 def _chunked_forward(q, k, v, g, beta, initial_state, chunk_size):
     """q (pre-scaled), k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; float32 -> (o, final state)."""
     batch, seq_len, num_heads, head_k = q.shape

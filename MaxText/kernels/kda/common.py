@@ -96,5 +96,5 @@ def prepare_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l
         q, k = l2norm(q), l2norm(k)
     scale = head_k ** -0.5 if scale is None else scale
     f32 = jnp.float32
-    return KDAInputs(q.astype(f32) * scale, k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
-                     initial_state.astype(f32))
+    q, k, v, g, beta, initial_state = (jnp.asarray(x, f32) for x in (q, k, v, g, beta, initial_state))
+    return KDAInputs(q * scale, k, v, g, beta, initial_state)

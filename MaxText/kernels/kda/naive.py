@@ -25,6 +25,7 @@ def kda_step(state, q_t, k_t, v_t, g_t, beta_t):
     return state, o_t
 
 
+@jax.jit
 def _scan_batch(x, initial_state):
     """Runs every batch row from its own initial state. x: prepared inputs with T leading after B."""
     time_major = [jnp.moveaxis(t, 1, 0) for t in (x.q, x.k, x.v, x.g, x.beta)]  # [T, B, ...]
@@ -36,6 +37,7 @@ def _scan_batch(x, initial_state):
     return jnp.moveaxis(o, 0, 1), final_state  # [B, T, H, V], [B, H, K, V]
 
 
+@jax.jit
 def _scan_packed(x, initial_state, cu_seqlens):
     """B == 1 with sequences packed along T: the state restarts from initial_state[n] at each sequence start."""
     seq_len = x.q.shape[1]

@@ -1,0 +1,95 @@
+"""Pallas (Triton lowering) single-token KDA decode over a state pool, updated in place.
+
+One program per (batch row, head, block of BV value columns): it reads the row's packed conv output, computes
+l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row
+`slot_indices[b]`, applies
+    S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
+and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
+its output and skips the state store (its load reads row 0 and is discarded).
+
+The kernel is memory bound: per row and head it moves K*V*4 bytes in and out. It runs under
+`interpret=True` on CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from MaxText.kernels.kda.common import L2NORM_EPS, SOFTPLUS_THRESHOLD
+
+
+def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
+    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    H, K, V = num_heads, head_k, head_v
+    slot = slot_ref[row]
+    valid = slot >= 0
+    safe = jnp.where(valid, slot, 0)
+
+    f32 = jnp.float32
+    q = qkv_ref[row, pl.ds(head * K, K)].astype(f32)  # [K]
+    k = qkv_ref[row, pl.ds(H * K + head * K, K)].astype(f32)  # [K]
+    v = qkv_ref[row, pl.ds(2 * H * K + head * V + vblk * block_v, block_v)].astype(f32)  # [BV]
+    if l2norm_in_kernel:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
+    q = q * scale
+    g = a_ref[row, pl.ds(head * K, K)].astype(f32)  # [K]
+    if gate_in_kernel:
+        x = g + dtb_ref[pl.ds(head * K, K)].astype(f32)
+        softplus = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+        g = -jnp.exp(alog_ref[head].astype(f32)) * softplus
+    beta = b_ref[row, head].astype(f32)
+    if beta_logit:
+        beta = jax.nn.sigmoid(beta)
+
+    state = pool_ref[safe, head, :, pl.ds(vblk * block_v, block_v)]  # [K, BV] fp32
+    state = state * jnp.exp(g)[:, None]
+    predicted = jnp.sum(state * k[:, None], axis=0)  # [BV]
+    delta = beta * (v - predicted)
+    state = state + k[:, None] * delta[None, :]
+    o = jnp.sum(state * q[:, None], axis=0)  # [BV]
+    o_ref[row, head, pl.ds(vblk * block_v, block_v)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+    pltriton.store(pool_out_ref.at[safe, head, :, pl.ds(vblk * block_v, block_v)], state,
+                   mask=jnp.broadcast_to(valid, state.shape))
+
+
+def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
+                gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
+                interpret=False):
+    """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
+    second output (donate it, as `decode_step` does, for a true in-place update).
+
+    With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
+    Returns (o [B, H, V] in mixed_qkv's dtype, the updated pool).
+    """
+    batch = mixed_qkv.shape[0]
+    H, K = num_heads, head_dim
+    V = state_pool.shape[-1]
+    block_v = min(block_v, V)
+    if V % block_v:
+        raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
+    kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
+                               gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel,
+                               beta_logit=beta_logit)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
+        grid=(batch, H, V // block_v),
+        input_output_aliases={6: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_packed_decode",
+    )(mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool)
+
+
+decode_step = jax.jit(decode_call, donate_argnums=(5,),
+                      static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
+                                       "beta_logit", "block_v", "num_warps", "interpret"))
+decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."

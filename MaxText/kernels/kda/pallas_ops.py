@@ -1,0 +1,196 @@
+"""Entry points of the Pallas KDA kernels (the dispatcher in `__init__.py` loads this module lazily).
+
+    unsupported_reason(kind, head_dim, value_dim) -> str | None
+    o, final_state = chunk_kda(q, k, v, g, beta, **fla-style kwargs)           # prefill: pallas_chunk.py
+    o, final_state = fused_recurrent_kda(q, k, v, g, beta, **same kwargs)      # decode:  pallas_decode.py
+    o, new_pool = packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
+                                    num_heads=H, head_dim=K, scale=None)        # serving decode (seed 004)
+
+All are GPU kernels written with the Pallas Triton lowering. Each takes `interpret=False`; with True they run in
+the Pallas interpreter on any backend (the CPU tests use that at small shapes). Semantics are those of
+`naive.naive_recurrent_kda` and `packed_decode.packed_decode_kda_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.kernels.kda import pallas_chunk, pallas_decode
+from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
+from MaxText.kernels.kda.packed_decode import check_packed_inputs
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+
+
+def unsupported_reason(kind: str, head_dim: int, value_dim: int) -> str | None:
+    """None when the Pallas kernel of `kind` ('prefill' | 'decode') runs on the default backend at these dims."""
+    if kind not in ("prefill", "decode"):
+        raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"the Pallas KDA kernels need a GPU (CUDA) backend, and the default backend is {backend!r}"
+    platform = jax.devices()[0].platform if jax.devices() else backend
+    if "rocm" in str(getattr(jax.devices()[0], "client", "")).lower() or platform == "rocm":
+        return "the Pallas KDA kernels are built and tested for NVIDIA GPUs only, not ROCm"
+    for name, dim in (("head_dim K", head_dim), ("value_dim V", value_dim)):
+        if dim not in SUPPORTED_HEAD_DIMS:
+            return f"{name}={dim} is not supported by the Pallas KDA kernels (supported: {SUPPORTED_HEAD_DIMS})"
+    return None
+
+
+def _check_dims(head_dim, value_dim):
+    for name, dim in (("K", head_dim), ("V", value_dim)):
+        if dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head dim {name}={dim} is not supported by the Pallas KDA kernels; "
+                             f"expected one of {SUPPORTED_HEAD_DIMS}")
+
+
+def _pack_plan(cu_seqlens, seq_len):
+    """Host-side plan: every sequence padded to a multiple of C = 64 tokens and laid end to end.
+
+    Returns (gather [Ttot] int, valid [Ttot] bool, inverse [T] int, chunk_offsets [N + 1] int32).
+    """
+    C = pallas_chunk.CHUNK
+    cu = np.asarray(cu_seqlens, np.int64)
+    lengths = np.diff(cu)
+    chunks = -(-lengths // C)
+    offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32)
+    starts = offsets[:-1].astype(np.int64) * C  # padded start of each sequence
+    total = max(int(offsets[-1]) * C, C)
+    seq_of = np.repeat(np.arange(len(lengths)), lengths)
+    inverse = starts[seq_of] + (np.arange(seq_len) - cu[seq_of])  # packed token -> padded position
+    gather = np.zeros(total, np.int64)
+    valid = np.zeros(total, bool)
+    gather[inverse], valid[inverse] = np.arange(seq_len), True
+    return gather, valid, inverse, offsets
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None,
+              chunk_size=64, interpret=False, block_v=64, num_warps=4):
+    """fla-style chunked KDA forward on the Pallas kernels; returns (o [B, T, H, V] in q's dtype, final state
+    [N, H, K, V] float32 or None). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; bf16 or fp32.
+
+    The kernel always uses 64-token chunks; `chunk_size` is accepted for the shared signature (the result does not
+    depend on it). `cu_seqlens` must be concrete (a host array), as for `chunked_kda`.
+    """
+    del chunk_size
+    if cu_seqlens is not None:
+        if isinstance(cu_seqlens, jax.core.Tracer):
+            raise ValueError("the Pallas chunk_kda plans packed sequences on the host: pass cu_seqlens as a "
+                             "concrete (numpy) array, not a traced value")
+        check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    # Shape checks shared with the other implementations, on abstract values only (no compute).
+    jax.eval_shape(functools.partial(prepare_inputs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                     use_gate_in_kernel=use_gate_in_kernel,
+                                     cu_seqlens=None if cu_seqlens is None else np.asarray(cu_seqlens)),
+                   q, k, v, g, beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    batch, seq_len, H, K = q.shape
+    V = v.shape[-1]
+    _check_dims(K, V)
+    C = pallas_chunk.CHUNK
+    scale = K ** -0.5 if scale is None else float(scale)
+
+    if cu_seqlens is None:
+        n_seq, padded = batch, -(-seq_len // C) * C
+        needs_pad = padded != seq_len or seq_len == 0
+        padded = max(padded, C)
+    else:
+        gather, valid, inverse, offsets = _pack_plan(cu_seqlens, seq_len)
+        n_seq, needs_pad = len(offsets) - 1, not bool(valid.all())
+    gate_in_kernel = use_gate_in_kernel
+    if use_gate_in_kernel and needs_pad:  # padded tokens need log-decay 0, so the gate runs in XLA here
+        g, gate_in_kernel = kda_gate(g, A_log, dt_bias), False
+
+    if cu_seqlens is None:
+        def flat(x):  # [B, T, ...] -> [B * padded, ...], zero padding (no decay, no update)
+            x = jnp.pad(x, [(0, 0), (0, padded - seq_len)] + [(0, 0)] * (x.ndim - 2)) if needs_pad else x
+            return x.reshape(batch * padded, *x.shape[2:])
+        offsets = np.arange(batch + 1, dtype=np.int32) * (padded // C)
+    else:
+        mask = jnp.asarray(valid)
+
+        def flat(x):  # [1, T, ...] -> [Ttot, ...], each sequence on a chunk boundary, zeros between
+            out = x[0][jnp.asarray(gather)]
+            return jnp.where(mask.reshape((-1,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
+
+    if initial_state is None:
+        initial_state = jnp.zeros((n_seq, H, K, V), jnp.float32)
+    qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
+    qg, kg, w, u, aqk, g_last = pallas_chunk.intra(
+        qf, kf, vf, gf, bf, A_log if gate_in_kernel else None, dt_bias if gate_in_kernel else None,
+        scale=scale, l2norm=use_qk_l2norm_in_kernel, gate=gate_in_kernel, num_warps=num_warps, interpret=interpret)
+    o, final_state = pallas_chunk.recurrence(
+        qg, kg, w, u, aqk, g_last, initial_state.astype(jnp.float32), jnp.asarray(offsets, jnp.int32),
+        out_dtype=q.dtype, block_v=block_v, interpret=interpret)  # o: [Ttot, H, V]
+    if cu_seqlens is None:
+        o = o.reshape(batch, -1, H, V)[:, :seq_len]
+    else:
+        o = o[jnp.asarray(inverse)][None]
+    return o, (final_state if output_final_state else None)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                        cu_seqlens=None, chunk_size=None, interpret=False, block_v=32):
+    """fla-style recurrent KDA for few tokens (decode): one Pallas step kernel per token over an in-place state.
+
+    Same arguments and results as `naive.naive_recurrent_kda`. Packed sequences (`cu_seqlens`) take the chunked
+    Pallas path, which computes the same function.
+    """
+    del chunk_size
+    if cu_seqlens is not None:
+        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                         cu_seqlens=cu_seqlens, interpret=interpret)
+    jax.eval_shape(functools.partial(prepare_inputs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                     use_gate_in_kernel=use_gate_in_kernel),
+                   q, k, v, g, beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    batch, seq_len, H, K = q.shape
+    V = v.shape[-1]
+    _check_dims(K, V)
+    scale = K ** -0.5 if scale is None else float(scale)
+    state = (jnp.zeros((batch, H, K, V), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    A_log_ = jnp.zeros((H,), jnp.float32) if A_log is None else A_log
+    dt_bias_ = jnp.zeros((H * K,), jnp.float32) if dt_bias is None else dt_bias
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    dtype = jnp.promote_types(q.dtype, v.dtype)
+    mixed = jnp.concatenate([q.reshape(batch, seq_len, H * K).astype(dtype), k.reshape(batch, seq_len, H * K)
+                             .astype(dtype), v.reshape(batch, seq_len, H * V).astype(dtype)], axis=-1)
+    step = functools.partial(pallas_decode.decode_call, num_heads=H, head_dim=K, scale=scale,
+                             gate_in_kernel=use_gate_in_kernel, l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             beta_logit=False, block_v=block_v, interpret=interpret)
+
+    def body(state, xs):
+        mixed_t, g_t, beta_t = xs
+        o_t, state = step(mixed_t, g_t.reshape(batch, H * K), beta_t, A_log_, dt_bias_, state, slots)
+        return state, o_t
+
+    xs = (jnp.moveaxis(mixed, 1, 0), jnp.moveaxis(g, 1, 0), jnp.moveaxis(beta, 1, 0))
+    final_state, o = jax.lax.scan(body, state, xs)  # o: [T, B, H, V]
+    return jnp.moveaxis(o, 0, 1).astype(q.dtype), (final_state if output_final_state else None)
+
+
+def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
+                      scale: float | None = None, interpret: bool = False, block_v: int = 32):
+    """Packed single-token decode with the state pool updated in place (seed 004).
+
+    mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
+    logit; A_log [H]; dt_bias [H*K]; state_pool [S, H, K, V] float32; slot_indices [B] int32 (-1 = padding row:
+    zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
+    Returns (o [B, H, V] in mixed_qkv's dtype, new_pool). The pool is donated when this is called under `jax.jit`
+    with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
+    Reference semantics: `packed_decode.packed_decode_kda_reference`.
+    """
+    layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
+    _check_dims(head_dim, layout.value_dim)
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
+                                     num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
+                                     interpret=interpret)

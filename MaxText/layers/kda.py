@@ -1,0 +1,151 @@
+"""Kimi Delta Attention (KDA): the linear-attention mixer of Kimi-Linear, as a Flax Linen block.
+
+Reads top to bottom like the math (DESIGN.md §3; reference: HF `KimiLinearDeltaAttention`):
+    q, k, v = silu(causal_depthwise_conv_W(x Wq / Wk / Wv))        three separate short convolutions
+    g       = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)          per head and key channel (in the kernel)
+    beta    = sigmoid(b_proj(x))                                     per head
+    o       = KDA(l2norm(q) * K^-0.5, l2norm(k), v, g, beta)        fp32 state [H, K, V] per sequence
+    out     = o_proj(RMSNorm_K(o) * sigmoid(g_b(g_a(x))))
+
+Param names follow the HF checkpoint (q_proj, q_conv1d, f_a_proj, A_log, dt_bias, o_norm, ...). Decode state lives in
+the `cache` collection: `conv_state` [B, W-1, 3*H*K] (the last W-1 pre-convolution q|k|v inputs, activation dtype)
+and `recurrent_state` [B, H, K, V] float32. Each batch row is an independent decode slot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from MaxText.kernels import kda as kda_kernels
+
+MODEL_MODES = ("train", "prefill", "autoregressive")
+
+
+def dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):
+    """softplus^-1 of a log-uniform dt in [dt_min, dt_max] (fla / HF initialization)."""
+    dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, math.log(dt_min), math.log(dt_max)))
+    dt = jnp.maximum(dt, 1e-4)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def a_log_init(key, shape, dtype=jnp.float32):
+    """log of a uniform decay rate in [1, 16] per head (fla / HF initialization)."""
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+
+
+def causal_conv(inputs, window, kernel):
+    """Depthwise causal convolution continuing from `window`.
+
+    inputs: [B, T, C]; window: [B, W-1, C] (the previous W-1 inputs); kernel: [W, C].
+    Returns (outputs [B, T, C] float32, new window [B, W-1, C]).
+    """
+    width = kernel.shape[0]
+    seq_len = inputs.shape[1]
+    padded = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, W-1+T, C]
+    kernel = kernel.astype(jnp.float32)
+    out = sum(padded[:, tap:tap + seq_len].astype(jnp.float32) * kernel[tap] for tap in range(width))
+    return out, padded[:, seq_len:]
+
+
+class ShortConvKernel(nn.Module):
+    """The [W, C] depthwise kernel of one short convolution (HF Conv1d weight [C, 1, W], transposed)."""
+
+    width: int
+    channels: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.width ** -0.5), (None, "kda_qkv"))
+        return self.param("kernel", init, (self.width, self.channels), self.param_dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last axis times sigmoid(gate), all in float32 (HF KimiLinearRMSNormGated)."""
+
+    features: int
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, gate):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (self.features,),
+                           self.param_dtype)
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * scale.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA mixer. `__call__(x [B, T, D], model_mode, decoder_segment_ids=None) -> [B, T, D]` in `config.dtype`."""
+
+    config: ml_collections.FrozenConfigDict
+
+    def _dense(self, features, logical_axes, name):
+        cfg = self.config
+        return nn.Dense(features, use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.weight_dtype),
+                        kernel_init=nn.with_logical_partitioning(
+                            nn.initializers.normal(cfg.param_init_std), logical_axes), name=name)
+
+    def _param(self, name, init, shape, logical_axes):
+        return self.param(name, nn.with_logical_partitioning(init, logical_axes), shape,
+                          jnp.dtype(self.config.weight_dtype))
+
+    @nn.compact
+    def __call__(self, x, *, model_mode: str, decoder_segment_ids=None):
+        cfg = self.config
+        if model_mode not in MODEL_MODES:
+            raise ValueError(f"model_mode={model_mode!r}; the KDA layer supports {MODEL_MODES}")
+        num_heads, head_dim, width = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_kernel_size
+        qkv_dim = num_heads * head_dim
+        batch, seq_len, _ = x.shape
+        dtype = jnp.dtype(cfg.dtype)
+        x = x.astype(dtype)
+        if decoder_segment_ids is not None:  # padding tokens contribute nothing: a zero input keeps a zero state
+            x = jnp.where((decoder_segment_ids != 0)[..., None], x, jnp.zeros_like(x))
+
+        # Projections and the three short convolutions (one fused depthwise conv over q|k|v channels).
+        qkv_pre = jnp.concatenate([self._dense(qkv_dim, ("embed", "kda_qkv"), name)(x)
+                                   for name in ("q_proj", "k_proj", "v_proj")], axis=-1)  # [B, T, 3*H*K]
+        conv_kernel = jnp.concatenate([ShortConvKernel(width, qkv_dim, jnp.dtype(cfg.weight_dtype), name=name)()
+                                       for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
+        if model_mode == "train":
+            window = jnp.zeros((batch, width - 1, 3 * qkv_dim), dtype)
+            conv_state = recurrent_state = None
+        else:
+            conv_state = self.variable("cache", "conv_state", jnp.zeros, (batch, width - 1, 3 * qkv_dim), dtype)
+            recurrent_state = self.variable("cache", "recurrent_state", jnp.zeros,
+                                            (batch, num_heads, head_dim, head_dim), jnp.float32)
+            window = conv_state.value
+        conv_out, new_window = causal_conv(qkv_pre, window, conv_kernel)
+        qkv = jax.nn.silu(conv_out).astype(dtype).reshape(batch, seq_len, 3, num_heads, head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, K]
+
+        # Forget gate input (the gate itself is computed in the kernel) and the delta-rule step size.
+        f_a = self._dense(head_dim, ("embed", None), "f_a_proj")(x)
+        g_raw = self._dense(qkv_dim, (None, "kda_qkv"), "f_b_proj")(f_a).reshape(batch, seq_len, num_heads, head_dim)
+        A_log = self._param("A_log", a_log_init, (num_heads,), ("kda_heads",))
+        dt_bias = self._param("dt_bias", dt_bias_init, (qkv_dim,), ("kda_qkv",))
+        beta = jax.nn.sigmoid(self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x).astype(jnp.float32))
+
+        kernel_fn = kda_kernels.fused_recurrent_kda if model_mode == "autoregressive" else kda_kernels.chunk_kda
+        o, final_state = kernel_fn(
+            q, k, v, g_raw, beta, implementation=cfg.kda_kernel,
+            initial_state=None if recurrent_state is None else recurrent_state.value,
+            output_final_state=recurrent_state is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size)  # o: [B, T, H, V]
+        if recurrent_state is not None and not self.is_initializing():
+            conv_state.value = new_window
+            recurrent_state.value = final_state
+
+        # Output gate, gated RMSNorm over each head, output projection.
+        gate = self._dense(qkv_dim, (None, "kda_qkv"), "g_b_proj")(
+            self._dense(head_dim, ("embed", None), "g_a_proj")(x)).reshape(batch, seq_len, num_heads, head_dim)
+        o = GatedRMSNorm(head_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype), name="o_norm")(
+            o, gate).astype(dtype)
+        return self._dense(cfg.emb_dim, ("kda_qkv", "embed"), "o_proj")(o.reshape(batch, seq_len, qkv_dim))
