@@ -131,3 +131,23 @@ def test_output_dtype_follows_q_and_state_is_fp32():
     bf16 = {n: jnp.asarray(v, jnp.bfloat16) if n in ("q", "k", "v") else v for n, v in inputs.items()}
     o, s = chunked_kda(**bf16, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+
+
+def test_segment_ids_restart_the_state():
+    """Rows packing several documents: each document's outputs equal running it alone from a zero state."""
+    lengths = [[20, 45, 1, 34], [100]]
+    seq_len = 100
+    inputs = random_kda_inputs(np.random.default_rng(11), 2, seq_len, 2, 32, 32)
+    segment_ids = np.stack([np.repeat(np.arange(1, len(row) + 1), row) for row in lengths]).astype(np.int32)
+    (o_ref, s_ref), (o, s) = run_both(inputs, use_qk_l2norm_in_kernel=True, segment_ids=segment_ids, chunk_size=32)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+    start = 0
+    for n, length in enumerate(lengths[0]):
+        alone = {name: value[:1, start:start + length] for name, value in inputs.items() if name != "initial_state"}
+        state = inputs["initial_state"][:1] if n == 0 else None
+        o_n, s_n = naive_recurrent_kda(**alone, initial_state=state, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+        assert_close(o[:1, start:start + length], o_n)
+        start += length
+    assert_close(s[0], s_n[0])

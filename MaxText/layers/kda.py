@@ -38,17 +38,25 @@ def a_log_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
 
 
-def causal_conv(inputs, window, kernel):
+def causal_conv(inputs, window, kernel, segment_ids=None):
     """Depthwise causal convolution continuing from `window`.
 
-    inputs: [B, T, C]; window: [B, W-1, C] (the previous W-1 inputs); kernel: [W, C].
+    inputs: [B, T, C]; window: [B, W-1, C] (the previous W-1 inputs); kernel: [W, C]; segment_ids: [B, T] or None
+    (a tap that reaches into another segment contributes nothing: packed documents do not see each other).
     Returns (outputs [B, T, C] float32, new window [B, W-1, C]).
     """
     width = kernel.shape[0]
     seq_len = inputs.shape[1]
     padded = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, W-1+T, C]
     kernel = kernel.astype(jnp.float32)
-    out = sum(padded[:, tap:tap + seq_len].astype(jnp.float32) * kernel[tap] for tap in range(width))
+    if segment_ids is not None:
+        padded_ids = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+    out = 0.0
+    for tap in range(width):
+        term = padded[:, tap:tap + seq_len].astype(jnp.float32) * kernel[tap]
+        if segment_ids is not None:
+            term = jnp.where((padded_ids[:, tap:tap + seq_len] == segment_ids)[..., None], term, 0.0)
+        out = out + term
     return out, padded[:, seq_len:]
 
 
@@ -122,7 +130,10 @@ class KimiDeltaAttention(nn.Module):
             recurrent_state = self.variable("cache", "recurrent_state", jnp.zeros,
                                             (batch, num_heads, head_dim, head_dim), jnp.float32)
             window = conv_state.value
-        conv_out, new_window = causal_conv(qkv_pre, window, conv_kernel)
+        # Packed training rows restart the convolution and the recurrence at each document boundary; in prefill,
+        # zeroed (left-)padding already leaves the zero state untouched.
+        train_segments = decoder_segment_ids if model_mode == "train" else None
+        conv_out, new_window = causal_conv(qkv_pre, window, conv_kernel, train_segments)
         qkv = jax.nn.silu(conv_out).astype(dtype).reshape(batch, seq_len, 3, num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, K]
 
@@ -138,7 +149,8 @@ class KimiDeltaAttention(nn.Module):
             q, k, v, g_raw, beta, implementation=cfg.kda_kernel,
             initial_state=None if recurrent_state is None else recurrent_state.value,
             output_final_state=recurrent_state is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size)  # o: [B, T, H, V]
+            A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size,
+            **({} if train_segments is None else {"segment_ids": train_segments}))  # o: [B, T, H, V]
         if recurrent_state is not None and not self.is_initializing():
             conv_state.value = new_window
             recurrent_state.value = final_state

@@ -49,13 +49,14 @@ def pallas_unavailable_reason(kind: str, head_dim: int, value_dim: int) -> str |
     return module.unsupported_reason(kind, head_dim, value_dim)
 
 
-def resolve(implementation: str, kind: str, head_dim: int, value_dim: int) -> str:
+def resolve(implementation: str, kind: str, head_dim: int, value_dim: int, with_segments: bool = False) -> str:
     """Maps a `kda_kernel` value to the implementation that runs: 'naive' | 'chunked' | 'pallas'."""
     if implementation not in KERNEL_CHOICES:
         raise ValueError(f"kda kernel implementation {implementation!r} is unknown; choose one of {KERNEL_CHOICES}")
     if implementation in ("naive", "chunked"):
         return implementation
-    reason = pallas_unavailable_reason(kind, head_dim, value_dim)
+    reason = ("segment_ids (packed training rows) are not supported by the Pallas kernels" if with_segments
+              else pallas_unavailable_reason(kind, head_dim, value_dim))
     if implementation == "pallas":
         if reason is not None:
             raise RuntimeError(f"kda_kernel=pallas was requested for {kind}, but {reason}. "
@@ -70,7 +71,7 @@ def resolve(implementation: str, kind: str, head_dim: int, value_dim: int) -> st
 
 def chunk_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
     """Prefill-shaped KDA (many tokens). See the module docstring for the arguments."""
-    chosen = resolve(implementation, "prefill", q.shape[-1], v.shape[-1])
+    chosen = resolve(implementation, "prefill", q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
     if chosen == "pallas":
         return load_pallas().chunk_kda(q, k, v, g, beta, **kwargs)
     fn = chunked_kda if chosen == "chunked" else naive_recurrent_kda
@@ -79,7 +80,7 @@ def chunk_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
 
 def fused_recurrent_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
     """Decode-shaped KDA (few tokens per call). See the module docstring for the arguments."""
-    chosen = resolve(implementation, "decode", q.shape[-1], v.shape[-1])
+    chosen = resolve(implementation, "decode", q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
     if chosen == "pallas":
         return load_pallas().fused_recurrent_kda(q, k, v, g, beta, **kwargs)
     fn = chunked_kda if chosen == "chunked" else naive_recurrent_kda

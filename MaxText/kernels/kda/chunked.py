@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.kda.common import HIGHEST, prepare_inputs
+from MaxText.kernels.kda.common import HIGHEST, prepare_inputs, segment_ids_or_zeros
 
 SUB_CHUNK = 16
 
@@ -61,13 +61,18 @@ def _intra_chunk_scores(q, k, G, sub_chunk):
 
 
 @functools.partial(jax.jit, static_argnames="chunk_size")
-def _chunked_forward(q, k, v, g, beta, initial_state, chunk_size):
-    """q (pre-scaled), k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; float32 -> (o, final state)."""
+def _chunked_forward(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
+    """q (pre-scaled), k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; segment_ids: [B, T] int; float32.
+
+    The state restarts from zero wherever the segment id changes (initial_state feeds each row's first segment).
+    Returns (o [B, T, H, V], final state [B, H, K, V]).
+    """
     batch, seq_len, num_heads, head_k = q.shape
     head_v = v.shape[-1]
     pad = (-seq_len) % chunk_size
     if pad:  # zero k/v/beta and zero log-decay: padded steps neither decay nor update the state
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
+        segment_ids = jnp.pad(segment_ids, [(0, 0), (0, pad)], mode="edge")
     n_chunks = (seq_len + pad) // chunk_size
 
     def to_chunks(x):  # [B, T, H, D] -> [N, B, H, C, D]
@@ -76,25 +81,33 @@ def _chunked_forward(q, k, v, g, beta, initial_state, chunk_size):
 
     q, k, v, g = (to_chunks(x) for x in (q, k, v, g))
     beta = to_chunks(beta[..., None])  # [N, B, H, C, 1]
+    seg = jnp.transpose(segment_ids.reshape(batch, n_chunks, 1, chunk_size, 1), (1, 0, 2, 3, 4))  # [N, B, 1, C, 1]
+    seg_prev = jnp.concatenate([seg[:1, ..., :1, :], seg[:-1, ..., -1:, :]], axis=0)  # [N, B, 1, 1, 1]
+    same_segment = seg == jnp.swapaxes(seg, -1, -2)  # [N, B, 1, C, C]
+    continues = (seg == seg_prev).astype(jnp.float32)  # [N, B, 1, C, 1]: token sees the incoming state
+    in_last = (seg == seg[..., -1:, :]).astype(jnp.float32)  # [N, B, 1, C, 1]: token reaches the outgoing state
+
     G = jnp.cumsum(g, axis=-2)  # [N, B, H, C, K]
     sub_chunk = min(SUB_CHUNK, chunk_size)
-    A_qk, A_kk = _intra_chunk_scores(q, k, G, sub_chunk)  # [N, B, H, C, C]
+    A_qk, A_kk = (jnp.where(same_segment, a, 0.0) for a in _intra_chunk_scores(q, k, G, sub_chunk))  # [N, B, H, C, C]
     eye = jnp.eye(chunk_size, dtype=jnp.float32)
     rhs = jnp.concatenate([beta * v, beta * k * jnp.exp(G)], axis=-1)  # [N, B, H, C, V + K]
     uw = jax.scipy.linalg.solve_triangular(eye + beta * A_kk, rhs, lower=True, unit_diagonal=True)
-    u, w = uw[..., :head_v], uw[..., head_v:]
+    u, w = uw[..., :head_v], continues * uw[..., head_v:]
 
     def step(state, xs):  # state: [B, H, K, V]
-        q_c, k_c, G_c, u_c, w_c, A_qk_c = xs
+        q_c, k_c, G_c, u_c, w_c, A_qk_c, continues_c, in_last_c = xs
         v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, state, precision=HIGHEST)
-        o_c = (jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G_c), state, precision=HIGHEST)
+        o_c = (jnp.einsum("bhck,bhkv->bhcv", continues_c * q_c * jnp.exp(G_c), state, precision=HIGHEST)
                + jnp.einsum("bhij,bhjv->bhiv", A_qk_c, v_new, precision=HIGHEST))
         G_last = G_c[..., -1:, :]  # [B, H, 1, K]
-        state = (state * jnp.exp(G_last)[..., 0, :, None]
-                 + jnp.einsum("bhck,bhcv->bhkv", k_c * jnp.exp(G_last - G_c), v_new, precision=HIGHEST))
+        carried = continues_c[..., -1:, :] * jnp.exp(G_last)[..., 0, :, None]  # [B, H, K, 1]
+        state = (state * carried
+                 + jnp.einsum("bhck,bhcv->bhkv", in_last_c * k_c * jnp.exp(G_last - G_c), v_new, precision=HIGHEST))
         return state, o_c
 
-    final_state, o = jax.lax.scan(step, initial_state, (q, k, G, u, w, A_qk))  # o: [N, B, H, C, V]
+    xs = (q, k, G, u, w, A_qk, continues, in_last)
+    final_state, o = jax.lax.scan(step, initial_state, xs)  # o: [N, B, H, C, V]
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(batch, n_chunks * chunk_size, num_heads, head_v)
     return o[:, :seq_len], final_state
 
@@ -114,10 +127,12 @@ def _unpack_index(cu_seqlens):
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                cu_seqlens=None, chunk_size=64):
+                cu_seqlens=None, chunk_size=64, segment_ids=None):
     """fla-style chunked KDA; returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] float32 or None).
 
     `cu_seqlens` must be concrete (a host array), as fla prepares its chunk indices on the host too.
+    `segment_ids` [B, T] (our extension, for packed training rows; traceable): the state restarts from zero where
+    the id changes along T.
     """
     if chunk_size < 1 or (chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
         raise ValueError(f"chunk_size={chunk_size}: must be a multiple of {SUB_CHUNK}, or a positive value below it")
@@ -126,9 +141,9 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                          "traced value -- pass it as a static numpy array, or use the naive implementation")
     x = prepare_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                       A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+                       A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, segment_ids=segment_ids)
     if cu_seqlens is None:
-        o, final_state = _chunked_forward(*x, chunk_size)
+        o, final_state = _chunked_forward(*x, segment_ids_or_zeros(segment_ids, x.q.shape[:2]), chunk_size)
     else:
         gather, valid, inverse = _unpack_index(cu_seqlens)
         mask = jnp.asarray(valid)
@@ -138,6 +153,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
             return jnp.where(fill_mask.reshape(fill_mask.shape + (1,) * (out.ndim - 2)), out, 0.0)
 
         q_, k_, v_, g_, beta_ = (unpack(t, mask) for t in (x.q, x.k, x.v, x.g, x.beta))
-        o, final_state = _chunked_forward(q_, k_, v_, g_, beta_, x.initial_state, chunk_size)
+        o, final_state = _chunked_forward(q_, k_, v_, g_, beta_, x.initial_state,
+                                          jnp.zeros(gather.shape, jnp.int32), chunk_size)
         o = o.reshape(-1, *o.shape[2:])[jnp.asarray(inverse)][None]
     return o.astype(q.dtype), (final_state if output_final_state else None)

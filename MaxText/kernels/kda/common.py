@@ -64,8 +64,17 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> None:
         raise ValueError(f"cu_seqlens must start at 0, end at T={seq_len} and not decrease; got {cu.tolist()}")
 
 
+def segment_ids_or_zeros(segment_ids, batch_and_time) -> jax.Array:
+    """Checks `segment_ids` [B, T] (state resets where the id changes); None means one segment per row."""
+    if segment_ids is None:
+        return jnp.zeros(batch_and_time, jnp.int32)
+    if tuple(segment_ids.shape) != tuple(batch_and_time):
+        raise ValueError(f"segment_ids must be [B, T] = {tuple(batch_and_time)}; got {tuple(segment_ids.shape)}")
+    return jnp.asarray(segment_ids, jnp.int32)
+
+
 def prepare_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
-                   use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None) -> KDAInputs:
+                   use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None, segment_ids=None) -> KDAInputs:
     """Checks shapes, applies the optional in-kernel l2norm and gate, scales q; returns float32 inputs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
@@ -78,6 +87,8 @@ def prepare_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l
         raise ValueError(f"beta must be [B, T, H] = {q.shape[:3]}; got {beta.shape}")
     head_v = v.shape[-1]
     if cu_seqlens is not None:
+        if segment_ids is not None:
+            raise ValueError("pass either cu_seqlens (packed along T, B == 1) or segment_ids, not both")
         check_cu_seqlens(cu_seqlens, batch, seq_len)
         num_states = cu_seqlens.shape[0] - 1
     else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from MaxText.kernels.kda.common import HIGHEST, prepare_inputs
+from MaxText.kernels.kda.common import HIGHEST, prepare_inputs, segment_ids_or_zeros
 
 
 def kda_step(state, q_t, k_t, v_t, g_t, beta_t):
@@ -26,14 +26,18 @@ def kda_step(state, q_t, k_t, v_t, g_t, beta_t):
 
 
 @jax.jit
-def _scan_batch(x, initial_state):
-    """Runs every batch row from its own initial state. x: prepared inputs with T leading after B."""
+def _scan_batch(x, initial_state, segment_ids):
+    """Runs every batch row from its own initial state; the state restarts from zero where segment_ids changes."""
     time_major = [jnp.moveaxis(t, 1, 0) for t in (x.q, x.k, x.v, x.g, x.beta)]  # [T, B, ...]
+    previous_ids = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
+    restarts = jnp.moveaxis(segment_ids != previous_ids, 1, 0)  # [T, B]
 
     def body(state, xs):
-        return kda_step(state, *xs)
+        restart, *step_inputs = xs
+        state = jnp.where(restart[:, None, None, None], 0.0, state)
+        return kda_step(state, *step_inputs)
 
-    final_state, o = jax.lax.scan(body, initial_state, time_major)
+    final_state, o = jax.lax.scan(body, initial_state, (restarts, *time_major))
     return jnp.moveaxis(o, 0, 1), final_state  # [B, T, H, V], [B, H, K, V]
 
 
@@ -61,17 +65,18 @@ def _scan_packed(x, initial_state, cu_seqlens):
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                        cu_seqlens=None, chunk_size=None):
+                        cu_seqlens=None, chunk_size=None, segment_ids=None):
     """fla-style KDA; returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] float32 or None).
 
-    `chunk_size` is accepted (and ignored) so the signature matches `chunk_kda`.
+    `chunk_size` is accepted (and ignored) so the signature matches `chunk_kda`. `segment_ids` [B, T] (our
+    extension, for packed training rows): the state restarts from zero where the id changes along T.
     """
     del chunk_size
     x = prepare_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                       A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
+                       A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, segment_ids=segment_ids)
     if cu_seqlens is None:
-        o, final_state = _scan_batch(x, x.initial_state)
+        o, final_state = _scan_batch(x, x.initial_state, segment_ids_or_zeros(segment_ids, x.q.shape[:2]))
     else:
         o, final_state = _scan_packed(x, x.initial_state, cu_seqlens)
     return o.astype(q.dtype), (final_state if output_final_state else None)
