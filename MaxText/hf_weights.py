@@ -70,7 +70,8 @@ _LAYER_KIND = {"linear_attention": "kda", "full_attention": "mla"}
 
 
 def _hf_layer_kinds(hf: Mapping[str, Any], num_layers: int) -> list[str]:
-    """'kda' | 'mla' per 0-indexed layer, with KimiLinearConfig's precedence: layer_types > linear_attn_config > default."""
+    """'kda' | 'mla' per 0-indexed layer, with KimiLinearConfig's precedence: layer_types, then linear_attn_config,
+    then its default."""
     linear = hf.get("linear_attn_config") or {}
     if hf.get("layer_types") is not None:
         types = list(hf["layer_types"])
@@ -252,9 +253,10 @@ class _Table:
             self.stacked[path] = slots
         return path
 
-    def hf(self, name: str, shape, layout: str, targets, transform, *alt_shapes) -> None:
-        targets = tuple(t if isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], tuple) else (t, None)
-                        for t in targets)
+    def hf(self, name: str, shape, layout: str, leaves: list[Path], transform, *alt_shapes,
+           slot: int | None = None) -> None:
+        """HF tensor `name` of `shape` (or one of `alt_shapes`) fills `leaves` (expert `slot` of each when given)."""
+        targets = tuple((leaf, slot) for leaf in leaves)
         self.specs[name] = HFTensorSpec(name, (tuple(shape), *map(tuple, alt_shapes)), layout, targets, transform)
 
     def linear(self, name: str, path: Path, in_dim: int, out_dim: int, layout: str = "any") -> None:
@@ -331,9 +333,9 @@ def _moe_specs(t: _Table, layer: str, ours: Path, config: Mapping[str, Any]) -> 
     down = t.leaf(ours + ("experts", "down_proj"), (e, i, d), slots=e)
     for n in range(e):
         experts = f"{layer}block_sparse_moe.experts.{n}."
-        t.hf(f"{experts}w1.weight", (i, d), "original", [(gate, n)], _linear)
-        t.hf(f"{experts}w3.weight", (i, d), "original", [(up, n)], _linear)
-        t.hf(f"{experts}w2.weight", (d, i), "original", [(down, n)], _linear)
+        t.hf(f"{experts}w1.weight", (i, d), "original", [gate], _linear, slot=n)
+        t.hf(f"{experts}w3.weight", (i, d), "original", [up], _linear, slot=n)
+        t.hf(f"{experts}w2.weight", (d, i), "original", [down], _linear, slot=n)
     t.hf(f"{layer}mlp.experts.gate_up_proj", (e, 2 * i, d), "native", [gate, up], _gate_up)
     t.hf(f"{layer}mlp.experts.down_proj", (e, d, i), "native", [down], _experts_down)
     if config["shared_experts"]:
@@ -371,11 +373,6 @@ def hf_tensor_specs(config: Mapping[str, Any]) -> dict[str, HFTensorSpec]:
 def param_shapes(config: Mapping[str, Any]) -> dict[Path, tuple[int, ...]]:
     """Our leaf path (starting with 'params') -> shape, for a model of `config`."""
     return _build_table(config).leaves
-
-
-def stacked_leaves(config: Mapping[str, Any]) -> dict[Path, int]:
-    """Our leaves filled one expert slot at a time by original-layout checkpoints -> number of slots."""
-    return _build_table(config).stacked
 
 
 def path_str(path: Path) -> str:
@@ -522,7 +519,8 @@ def convert_tensor(name: str, array: np.ndarray, specs: Mapping[str, HFTensorSpe
     return [Piece(path, slot, value) for (path, slot), value in zip(spec.targets, values)]
 
 
-def _nest(flat: Mapping[Path, np.ndarray]) -> dict[str, Any]:
+def nest(flat: Mapping[Path, Any]) -> dict[str, Any]:
+    """{(a, b, c): x} -> {a: {b: {c: x}}}."""
     tree: dict[str, Any] = {}
     for path, value in flat.items():
         node = tree
@@ -555,7 +553,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: Mapping[str
     Every tensor is validated: unexpected names, wrong shapes and missing tensors raise HFCheckpointError naming
     the tensor with its expected and found shape.
     """
-    return _nest(_assemble(state_dict, _build_table(config)))
+    return nest(_assemble(state_dict, _build_table(config)))
 
 
 def kda_layer_params(state_dict: Mapping[str, Any], prefix: str, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -568,4 +566,4 @@ def kda_layer_params(state_dict: Mapping[str, Any], prefix: str, config: Mapping
     table = _Table()
     _kda_specs(table, prefix, (), config)
     layer = {name: value for name, value in state_dict.items() if name.startswith(prefix)}
-    return _nest(_assemble(layer, table))
+    return nest(_assemble(layer, table))

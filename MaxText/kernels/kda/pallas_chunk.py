@@ -43,9 +43,9 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 def _dot(a, b, *, trans_b=False, precise=True, interpret=False):
     """fp32 product; `precise` uses 3-pass tf32 on the GPU (about fp32 accuracy), exact fp32 when interpreting."""
-    if not precise:
-        return pl.dot(a, b, trans_b=trans_b)
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    if not precise:
+        return lax.dot_general(a, b, dims, preferred_element_type=F32)
     precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
@@ -72,11 +72,11 @@ def _unit_lower_inverse(a):
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref,
                   qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, *,
-                  head_k, head_v, scale, l2norm, gate, interpret):
+                  head_k, head_v, scale, l2norm, gate, slab, interpret):
     chunk, head = pl.program_id(0), pl.program_id(1)
     t0 = chunk * CHUNK
     K, V = head_k, head_v
-    slab = min(SLAB, K)
+    slab = min(slab, K)
     dot = functools.partial(_dot, interpret=interpret)
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
 
@@ -187,7 +187,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref,
     lax.fori_loop(0, V // vslab, u_step, 0)
 
 
-def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=4, interpret=False):
+def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=4, slab=SLAB, interpret=False):
     """Kernel 1. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a multiple of 64.
 
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64], all bf16 when q is bf16 (fp32 otherwise:
@@ -200,7 +200,7 @@ def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=4,
     A_log = jnp.zeros((H,), F32) if A_log is None else A_log.reshape(H).astype(F32)
     dt_bias = jnp.zeros((H * K,), F32) if dt_bias is None else dt_bias.reshape(H * K).astype(F32)
     kernel = functools.partial(_intra_kernel, head_k=K, head_v=V, scale=scale, l2norm=l2norm, gate=gate,
-                               interpret=interpret)
+                               slab=slab, interpret=interpret)
 
     out_shape = (jax.ShapeDtypeStruct((H, total, K), inter), jax.ShapeDtypeStruct((H, total, K), inter),
                  jax.ShapeDtypeStruct((H, total, K), inter), jax.ShapeDtypeStruct((H, total, V), inter),
@@ -223,8 +223,9 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref,
     low = qg_ref.dtype == BF16  # bf16 operands on the tensor cores; else fp32-accurate products
 
     def mm(a, b, trans_a=False):
-        if low:
-            return pl.dot(a, b, trans_a=trans_a)
+        if low:  # bf16 operands, fp32 accumulation
+            dims = (((0 if trans_a else 1,), (0,)), ((), ()))
+            return lax.dot_general(a, b, dims, preferred_element_type=F32)
         a = a.T if trans_a else a
         return _dot(a, b, interpret=interpret)
 

@@ -71,7 +71,7 @@ def _pack_plan(cu_seqlens, seq_len):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None,
-              chunk_size=64, interpret=False, block_v=64, num_warps=4):
+              chunk_size=64, interpret=False, block_v=64, num_warps=8, slab=pallas_chunk.SLAB):
     """fla-style chunked KDA forward on the Pallas kernels; returns (o [B, T, H, V] in q's dtype, final state
     [N, H, K, V] float32 or None). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; bf16 or fp32.
 
@@ -123,7 +123,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
     qg, kg, w, u, aqk, g_last = pallas_chunk.intra(
         qf, kf, vf, gf, bf, A_log if gate_in_kernel else None, dt_bias if gate_in_kernel else None,
-        scale=scale, l2norm=use_qk_l2norm_in_kernel, gate=gate_in_kernel, num_warps=num_warps, interpret=interpret)
+        scale=scale, l2norm=use_qk_l2norm_in_kernel, gate=gate_in_kernel, num_warps=num_warps, slab=slab,
+        interpret=interpret)
     o, final_state = pallas_chunk.recurrence(
         qg, kg, w, u, aqk, g_last, initial_state.astype(jnp.float32), jnp.asarray(offsets, jnp.int32),
         out_dtype=q.dtype, block_v=block_v, interpret=interpret)  # o: [Ttot, H, V]
@@ -178,7 +179,7 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
-                      scale: float | None = None, interpret: bool = False, block_v: int = 32):
+                      scale: float | None = None, interpret: bool = False, block_v: int | None = None, num_warps: int = 4):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -191,6 +192,9 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
     scale = head_dim ** -0.5 if scale is None else float(scale)
+    if block_v is None:  # measured on an H200: narrow blocks for few rows (more programs), wide ones for many rows
+        block_v = 32 if mixed_qkv.shape[0] < 32 else 128
+    block_v = min(block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
-                                     interpret=interpret)
+                                     num_warps=num_warps, interpret=interpret)
