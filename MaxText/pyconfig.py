@@ -30,6 +30,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "kda_kernel": ("auto", "naive", "chunked", "pallas"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
+    "moe_grouped_matmul": ("auto", "ragged_dot", "gather"),
 }
 
 # Keys that must be >= 1.
@@ -37,10 +38,11 @@ POSITIVE_INT_KEYS = (
     "vocab_size", "emb_dim", "num_decoder_layers", "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size",
     "kda_chunk_size", "num_query_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_dim",
     "num_experts", "num_experts_per_tok", "moe_mlp_dim", "n_routing_groups", "topk_routing_group",
-    "max_target_length",
+    "max_target_length", "steps", "per_device_batch_size", "eval_batches", "checkpoint_period",
+    "max_checkpoints_to_keep",
 )
 NON_NEGATIVE_INT_KEYS = ("q_lora_rank", "qk_rope_head_dim", "first_num_dense_layers", "shared_experts",
-                         "max_new_tokens", "seed")
+                         "max_new_tokens", "seed", "warmup_steps", "eval_interval")
 MESH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
 
 # Keys computed here from the others; a yml or override that sets them is an error.
@@ -172,6 +174,16 @@ def _validate(cfg: dict[str, Any]) -> None:
     if cfg["num_experts_per_tok"] > cfg["topk_routing_group"] * per_group:
         raise ConfigError(f"num_experts_per_tok={cfg['num_experts_per_tok']} exceeds the experts in the "
                           f"topk_routing_group={cfg['topk_routing_group']} kept groups ({cfg['topk_routing_group'] * per_group})")
+    if not 0.0 < cfg["eval_fraction"] < 1.0:
+        raise ConfigError(f"eval_fraction is {cfg['eval_fraction']}; it must be between 0 and 1 (exclusive)")
+    for key in ("learning_rate", "adam_eps"):
+        if cfg[key] <= 0:
+            raise ConfigError(f"config key {key!r} is {cfg[key]}; it must be > 0")
+    for key in ("weight_decay", "max_grad_norm", "cosine_end_fraction"):
+        if cfg[key] < 0:
+            raise ConfigError(f"config key {key!r} is {cfg[key]}; it must be >= 0")
+    if cfg["max_target_length"] < 2:
+        raise ConfigError(f"max_target_length is {cfg['max_target_length']}; training needs sequences of >= 2 tokens")
     if cfg["temperature"] < 0:
         raise ConfigError(f"temperature is {cfg['temperature']}; it must be >= 0")
 

@@ -1,0 +1,48 @@
+"""One Kimi-Linear decoder layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)).
+
+The mixer is KDA or MLA and the MLP dense SwiGLU or MoE, as `config.layer_types[i]` / `config.mlp_types[i]` say.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import ml_collections
+
+from MaxText.layers.kda import KimiDeltaAttention
+from MaxText.layers.linears import MLP
+from MaxText.layers.mla import MultiHeadLatentAttention
+from MaxText.layers.moe import MoE
+from MaxText.layers.normalizations import RMSNorm
+
+ACTIVATION_AXES = ("batch", "length", "embed")
+
+
+class DecoderLayer(nn.Module):
+    """Layer `layer_index` (0-indexed). `__call__(x [B, T, D], model_mode, decoder_segment_ids=None) -> [B, T, D]`."""
+    config: ml_collections.FrozenConfigDict
+    layer_index: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None) -> jax.Array:
+        cfg = self.config
+        mixer_kind, mlp_kind = cfg.layer_types[self.layer_index], cfg.mlp_types[self.layer_index]
+        if mixer_kind == "kda":
+            mixer = KimiDeltaAttention(cfg, name="self_attn")
+        elif mixer_kind == "mla":
+            mixer = MultiHeadLatentAttention(cfg, name="self_attn")
+        else:
+            raise ValueError(f"layer_types[{self.layer_index}]={mixer_kind!r}; expected 'kda' or 'mla'")
+        if mlp_kind == "dense":
+            mlp = MLP(cfg, cfg.mlp_dim, name="mlp")
+        elif mlp_kind == "moe":
+            mlp = MoE(cfg, name="mlp")
+        else:
+            raise ValueError(f"mlp_types[{self.layer_index}]={mlp_kind!r}; expected 'dense' or 'moe'")
+
+        h = RMSNorm(cfg, name="input_layernorm")(x)
+        x = x + mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids).astype(x.dtype)
+        x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+        h = RMSNorm(cfg, name="post_attention_layernorm")(x)
+        x = x + mlp(h).astype(x.dtype)
+        return nn.with_logical_constraint(x, ACTIVATION_AXES)

@@ -1,0 +1,70 @@
+"""Dense projections with logical partitioning, and the SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+
+def matmul_precision(config: ml_collections.FrozenConfigDict) -> jax.lax.Precision:
+    """HIGHEST for float32 activations (no TF32 / bf16 passes on accelerators), DEFAULT otherwise."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(config.dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def kernel_init(config: ml_collections.FrozenConfigDict):
+    """Normal(0, param_init_std) initializer used by every dense kernel of a random-init model."""
+    return nn.initializers.normal(stddev=config.param_init_std)
+
+
+def create_kernel(module: nn.Module, shape: Sequence[int], kernel_axes: Sequence[str | None]) -> jax.Array:
+    """Creates `module`'s `kernel` param (weight_dtype, logical axes `kernel_axes`) and returns it in config.dtype."""
+    config = module.config
+    kernel = module.param("kernel", nn.with_logical_partitioning(kernel_init(config), tuple(kernel_axes)),
+                          tuple(shape), jnp.dtype(config.weight_dtype))
+    return kernel.astype(config.dtype)
+
+
+class DenseKernel(nn.Module):
+    """Holds one `kernel` param of `shape` and returns it in the activation dtype.
+
+    For a projection used in more than one way (MLA's kv_b_proj is applied directly in prefill and absorbed into q
+    and o in decode), so that its param is created in exactly one place.
+    """
+    config: ml_collections.FrozenConfigDict
+    shape: Sequence[int]
+    kernel_axes: Sequence[str | None]
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return create_kernel(self, self.shape, self.kernel_axes)
+
+
+class Dense(nn.Module):
+    """y = x @ kernel with kernel [in, features] (the transpose of torch's Linear.weight), no bias.
+
+    x is cast to `config.dtype`, the kernel is stored in `config.weight_dtype`; y has `config.dtype`.
+    """
+    config: ml_collections.FrozenConfigDict
+    features: int
+    kernel_axes: Sequence[str | None] = ("embed", None)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = create_kernel(self, (x.shape[-1], self.features), self.kernel_axes)
+        return jnp.dot(x.astype(self.config.dtype), kernel, precision=matmul_precision(self.config))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), intermediate size `intermediate_dim`."""
+    config: ml_collections.FrozenConfigDict
+    intermediate_dim: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = Dense(self.config, self.intermediate_dim, ("embed", "mlp"), name="gate_proj")(x)  # [..., I]
+        up = Dense(self.config, self.intermediate_dim, ("embed", "mlp"), name="up_proj")(x)  # [..., I]
+        return Dense(self.config, x.shape[-1], ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)

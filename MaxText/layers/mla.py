@@ -1,0 +1,147 @@
+"""Multi-head latent attention (MLA) as used by Kimi-Linear: NoPE (no rotary at all), optional q LoRA.
+
+Reads like the math (DESIGN.md §3; reference: HF `KimiLinearAttention`):
+    q            = x Wq                      or q_b(RMSNorm(q_a(x))) when q_lora_rank > 0      [B, T, H, nope+rope]
+    c, k_rot     = split(x W_kv_a, [kv_lora_rank, rope]);   c = RMSNorm(c)                      the latent
+    k_nope, v    = split(c W_kv_b);   k = [k_nope, k_rot broadcast over heads]
+    o            = o_proj(softmax_causal(q k^T * (nope+rope)^-0.5) v)
+
+Modes (the conventions' `model_mode`):
+  train           full-sequence causal attention over the input; the cache is neither read nor written.
+  prefill         writes the new tokens' latents at the cache's write index, then attends (expanded, as above) over
+                  every cached position up to each query: several prefill calls continue each other.
+  autoregressive  the same cache write, then attention in the latent space: W_kv_b's key half is absorbed into q
+                  and its value half into the output, so only the cached (c, k_rot) are read.
+
+Cache (`cache` collection; batch row = decode slot):
+  latent     [B, max_target_length, kv_lora_rank + rope]  (c, k_rot) per token, activation dtype
+  key_valid  [B, max_target_length] bool                  False for padding and never-written positions
+  index      [] int32                                     next write position (shared: rows advance together)
+Positions past max_target_length are not checked inside jit (the engine checks lengths before any compute).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from MaxText.layers.linears import Dense, DenseKernel, matmul_precision
+from MaxText.layers.normalizations import RMSNorm
+
+MODEL_MODES = ("train", "prefill", "autoregressive")
+# HF builds q_a_layernorm and kv_a_layernorm with KimiLinearRMSNorm's default eps, not rms_norm_eps.
+LATENT_NORM_EPSILON = 1e-6
+
+
+def _attention_mask(query_positions, key_positions, key_valid, segment_ids=None):
+    """[B, 1, T, S] bool: key s is visible to query t when it is at or before t and is not padding.
+
+    query_positions: [T] int32; key_positions: [S] int32; key_valid: [B, S] bool. segment_ids [B, T] (train mode,
+    where the keys are the queries' own tokens, S == T): a key is visible only to queries of its own segment, so
+    documents packed into one row do not see each other.
+    """
+    causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
+    mask = causal[None, None] & key_valid[:, None, None, :]
+    if segment_ids is not None:
+        mask &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
+    return mask
+
+
+def _masked_softmax(scores, mask, dtype):
+    """Softmax over the last axis in float32 with masked keys at exactly zero weight; result cast to `dtype`.
+
+    A query that sees no key at all (a padding query in a left-padded row) gets zero weights, not NaN.
+    """
+    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    return weights.astype(dtype)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA mixer. `__call__(x [B, T, D], model_mode, decoder_segment_ids=None) -> [B, T, D]` in `config.dtype`.
+
+    `decoder_segment_ids` [B, T] int32: 0 marks a padding token, whose key no query may attend to (the cache
+    remembers it in `key_valid`). In train mode, tokens attend only within their own segment (packed documents);
+    a cache holds one sequence per row, so prefill / decode only distinguish padding from real tokens. Params (HF names): q_proj | q_a_proj, q_a_layernorm, q_b_proj;
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj [kv_lora_rank, H*(nope+v)], o_proj [H*v, D].
+    """
+    config: ml_collections.FrozenConfigDict
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None) -> jax.Array:
+        cfg = self.config
+        if model_mode not in MODEL_MODES:
+            raise ValueError(f"model_mode={model_mode!r}; the MLA layer supports {MODEL_MODES}")
+        num_heads, nope, rope = cfg.num_query_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        rank, v_dim = cfg.kv_lora_rank, cfg.v_head_dim
+        dtype, precision = jnp.dtype(cfg.dtype), matmul_precision(cfg)
+        batch, seq_len, _ = x.shape
+
+        # Queries.
+        if cfg.q_lora_rank:
+            q_a = Dense(cfg, cfg.q_lora_rank, ("embed", None), name="q_a_proj")(x)
+            q_a = RMSNorm(cfg, LATENT_NORM_EPSILON, None, name="q_a_layernorm")(q_a)
+            q = Dense(cfg, num_heads * (nope + rope), (None, "mla_heads"), name="q_b_proj")(q_a)
+        else:
+            q = Dense(cfg, num_heads * (nope + rope), ("embed", "mla_heads"), name="q_proj")(x)
+        q = q.reshape(batch, seq_len, num_heads, nope + rope)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]  # [B, T, H, nope], [B, T, H, rope]
+
+        # The compressed latent of the new tokens: (normalized c, k_rot).
+        kv_a = Dense(cfg, rank + rope, ("embed", None), name="kv_a_proj_with_mqa")(x)  # [B, T, R + rope]
+        c = RMSNorm(cfg, LATENT_NORM_EPSILON, None, name="kv_a_layernorm")(kv_a[..., :rank])
+        latent = jnp.concatenate([c, kv_a[..., rank:]], axis=-1)  # [B, T, R + rope]
+        new_valid = (jnp.ones((batch, seq_len), jnp.bool_) if decoder_segment_ids is None
+                     else decoder_segment_ids != 0)  # [B, T]
+        w_kv_b = DenseKernel(cfg, (rank, num_heads * (nope + v_dim)), (None, "mla_heads"), name="kv_b_proj")()
+        w_kv_b = w_kv_b.reshape(rank, num_heads, nope + v_dim)
+        w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]  # [R, H, nope], [R, H, v]
+
+        # Keys: the input itself (train), or every cache position after writing the new tokens.
+        if model_mode == "train":
+            keys, key_valid, start = latent, new_valid, jnp.zeros((), jnp.int32)
+        else:
+            keys, key_valid, start = self._update_cache(latent, new_valid)
+        query_positions = start + jnp.arange(seq_len, dtype=jnp.int32)
+        key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)
+        mask = _attention_mask(query_positions, key_positions, key_valid,
+                               decoder_segment_ids if model_mode == "train" else None)  # [B, 1, T, S]
+        scale = (nope + rope) ** -0.5
+        keys_c, keys_rot = keys[..., :rank], keys[..., rank:]  # [B, S, R], [B, S, rope]
+
+        if model_mode == "autoregressive":
+            # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv).
+            q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision=precision)  # [B, T, H, R]
+            scores = (jnp.einsum("bthr,bsr->bhts", q_latent, keys_c, precision=precision)
+                      + jnp.einsum("bthp,bsp->bhts", q_rope, keys_rot, precision=precision)) * scale
+            weights = _masked_softmax(scores, mask, dtype)  # [B, H, T, S]
+            out_latent = jnp.einsum("bhts,bsr->bthr", weights, keys_c, precision=precision)  # [B, T, H, R]
+            out = jnp.einsum("bthr,rhv->bthv", out_latent, w_uv, precision=precision)  # [B, T, H, v]
+        else:
+            k_nope = jnp.einsum("bsr,rhn->bshn", keys_c, w_uk, precision=precision)  # [B, S, H, nope]
+            values = jnp.einsum("bsr,rhv->bshv", keys_c, w_uv, precision=precision)  # [B, S, H, v]
+            scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=precision)
+                      + jnp.einsum("bthp,bsp->bhts", q_rope, keys_rot, precision=precision)) * scale
+            weights = _masked_softmax(scores, mask, dtype)  # [B, H, T, S]
+            out = jnp.einsum("bhts,bshv->bthv", weights, values, precision=precision)  # [B, T, H, v]
+
+        out = out.reshape(batch, seq_len, num_heads * v_dim)
+        return Dense(cfg, cfg.emb_dim, ("mla_heads", "embed"), name="o_proj")(out)
+
+    def _update_cache(self, latent, new_valid):
+        """Writes the new tokens at the write index; returns (all cached latents, their validity, the old index)."""
+        cfg = self.config
+        batch, seq_len, width = latent.shape
+        cached = self.variable("cache", "latent", jnp.zeros, (batch, cfg.max_target_length, width), latent.dtype)
+        valid = self.variable("cache", "key_valid", jnp.zeros, (batch, cfg.max_target_length), jnp.bool_)
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        start = index.value
+        keys = jax.lax.dynamic_update_slice(cached.value, latent.astype(cached.value.dtype), (0, start, 0))
+        key_valid = jax.lax.dynamic_update_slice(valid.value, new_valid, (0, start))
+        if not self.is_initializing():
+            cached.value, valid.value, index.value = keys, key_valid, start + seq_len
+        return keys, key_valid, start

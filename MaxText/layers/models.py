@@ -1,0 +1,50 @@
+"""The full Kimi-Linear causal LM: embed_tokens -> decoder layers -> final norm -> untied lm_head."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from MaxText.layers.decoder import ACTIVATION_AXES, DecoderLayer
+from MaxText.layers.embeddings import Embed
+from MaxText.layers.linears import Dense
+from MaxText.layers.normalizations import RMSNorm
+
+
+class KimiLinearModel(nn.Module):
+    """The decoder stack (HF `model.*`): tokens [B, T] int32 -> final-normed hidden states [B, T, D]."""
+    config: ml_collections.FrozenConfigDict
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None):
+        cfg = self.config
+        x = nn.with_logical_constraint(Embed(cfg, name="embed_tokens")(tokens), ACTIVATION_AXES)  # [B, T, D]
+        for i in range(cfg.num_decoder_layers):
+            x = DecoderLayer(cfg, i, name=f"layers_{i}")(x, model_mode=model_mode,
+                                                          decoder_segment_ids=decoder_segment_ids)
+        return RMSNorm(cfg, name="norm")(x)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """Params: model/{embed_tokens, layers_i, norm}, lm_head (see the conventions for the full tree).
+
+    `__call__(tokens [B, T] int32, *, model_mode, decoder_segment_ids=None, logits_to_keep=0)
+        -> logits [B, T, vocab] float32` ([B, logits_to_keep, vocab] when logits_to_keep > 0: only the last positions
+        go through lm_head, as HF's `logits_to_keep`).
+    model_mode: 'train' (no cache) | 'prefill' | 'autoregressive' (read and write the `cache` collection, which must
+    be mutable). decoder_segment_ids [B, T]: 0 marks a (left-)padding token, > 0 a real one.
+    """
+    config: ml_collections.FrozenConfigDict
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None,
+                 logits_to_keep: int = 0):
+        cfg = self.config
+        hidden = KimiLinearModel(cfg, name="model")(tokens, model_mode=model_mode,
+                                                     decoder_segment_ids=decoder_segment_ids)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = Dense(cfg, cfg.vocab_size, ("embed", "vocab"), name="lm_head")(hidden)  # [B, T, V]
+        return logits.astype(jnp.float32)

@@ -1,0 +1,119 @@
+"""MoE layer: parity with HF KimiLinearMoE (router, group-limited top-k, experts, shared experts), the sorted
+grouped-matmul dispatch, and its cost: FLOPs grow with top-k, not with the number of experts."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from MaxText import pyconfig
+from MaxText.hf_weights import params_from_hf_state_dict
+from MaxText.layers.moe import MoE, RoutedExperts, Router, grouped_matmul
+from tests.test_model_hf_parity import CONFIG_NAMES, hf_model, hf_state_dict, our_config
+
+TOL = 1e-5  # x max|reference|
+
+
+@functools.lru_cache(maxsize=None)
+def moe_setup(name: str):
+    """(HF MoE module, our config, our MoE params) for the first MoE layer of HF test config `name`."""
+    model = hf_model(name)
+    config = our_config(model)
+    layer = config.mlp_types.index("moe")
+    params = params_from_hf_state_dict(hf_state_dict(model), config)["params"]["model"][f"layers_{layer}"]["mlp"]
+    return model.model.layers[layer].mlp, config, params
+
+
+def _tokens(config, batch=2, length=33, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(batch, length, config.emb_dim)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_router_matches_hf(name):
+    hf_moe, config, params = moe_setup(name)
+    x = _tokens(config).reshape(-1, config.emb_dim)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf_moe.gate(torch.tensor(x))
+    weights, ids = jax.jit(Router(config).apply)({"params": params["gate"]}, x)
+    # HF's top-k is unsorted: compare each token's (expert, weight) pairs sorted by expert id.
+    hf_order, our_order = np.argsort(hf_ids.numpy(), -1), np.argsort(np.asarray(ids), -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), our_order, -1),
+                                  np.take_along_axis(hf_ids.numpy(), hf_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), our_order, -1),
+                               np.take_along_axis(hf_weights.numpy(), hf_order, -1), rtol=1e-6, atol=1e-7)
+    if config.n_routing_groups > 1:  # every chosen expert lies in one of the topk_routing_group kept groups
+        groups = np.asarray(ids) // (config.num_experts // config.n_routing_groups)
+        assert max(len(set(row)) for row in groups.tolist()) <= config.topk_routing_group
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_moe_matches_hf(name):
+    hf_moe, config, params = moe_setup(name)
+    x = _tokens(config, seed=1)
+    with torch.no_grad():
+        want = hf_moe(torch.tensor(x)).numpy()
+    got = np.asarray(jax.jit(MoE(config).apply)({"params": params}, x))
+    err, scale = np.abs(got - want).max(), np.abs(want).max()
+    assert err <= TOL * scale, (err, scale)
+
+
+def _with(config, **overrides):
+    """`config` with some keys replaced (re-validated through pyconfig)."""
+    def thaw(value):
+        return [thaw(v) for v in value] if isinstance(value, tuple) else value
+    keys = {k: thaw(v) for k, v in config.items() if k not in pyconfig.DERIVED_KEYS}
+    return pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**keys, **overrides})
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_ragged_dot_and_gather_dispatch_agree(name):
+    _, config, params = moe_setup(name)
+    x = _tokens(config, seed=2)
+    outs = [np.asarray(jax.jit(MoE(_with(config, moe_grouped_matmul=impl)).apply)({"params": params}, x))
+            for impl in ("ragged_dot", "gather")]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["ragged_dot", "gather"])
+def test_grouped_matmul_uses_each_rows_own_expert(implementation):
+    rng = np.random.default_rng(3)
+    group_sizes = np.array([3, 0, 5, 1, 0, 2], np.int32)  # empty groups included
+    row_groups = np.repeat(np.arange(len(group_sizes)), group_sizes).astype(np.int32)
+    rows = rng.normal(size=(group_sizes.sum(), 4)).astype(np.float32)
+    weights = rng.normal(size=(len(group_sizes), 4, 3)).astype(np.float32)
+    got = grouped_matmul(jnp.asarray(rows), jnp.asarray(weights), jnp.asarray(group_sizes), jnp.asarray(row_groups),
+                         implementation=implementation, precision=jax.lax.Precision.HIGHEST)
+    want = np.einsum("mk,mkn->mn", rows, weights[row_groups])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def dispatch_flops(num_experts: int, top_k: int, implementation: str = "auto", num_tokens: int = 256) -> float:
+    """FLOPs XLA counts for the compiled routed-expert dispatch (sort, grouped matmuls, unsort, weighted sum; the
+    router is excluded) of `num_tokens` tokens, emb_dim 64, expert width 32."""
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, dict(
+        emb_dim=64, moe_mlp_dim=32, num_experts=num_experts, num_experts_per_tok=top_k, n_routing_groups=1,
+        topk_routing_group=1, moe_grouped_matmul=implementation, num_decoder_layers=1, kda_layers=[1],
+        mla_layers=[]))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(num_tokens, 64)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_tokens)]), jnp.int32)
+    weights = jnp.full((num_tokens, top_k), 1.0 / top_k, jnp.float32)
+    experts = RoutedExperts(config)
+    params = experts.init(jax.random.PRNGKey(0), x, weights, ids)
+    cost = jax.jit(experts.apply).lower(params, x, weights, ids).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+def test_dispatch_flops_grow_with_top_k_not_with_expert_count():
+    flops = {(e, k): dispatch_flops(e, k) for e, k in ((8, 2), (256, 2), (8, 4))}
+    print(f"MoE dispatch FLOPs on {jax.default_backend()} (moe_grouped_matmul=auto), 256 tokens: "
+          + ", ".join(f"E={e} top-{k}: {f:.3e}" for (e, k), f in flops.items()))
+    assert flops[(256, 2)] <= 2.0 * flops[(8, 2)], flops
+    assert 1.6 <= flops[(8, 4)] / flops[(8, 2)] <= 2.4, flops  # the work is proportional to top-k
+
