@@ -60,6 +60,21 @@ def _intra_chunk_scores(q, k, G, sub_chunk):
     return assemble(qk_off, qk_diag), jnp.where(strict, assemble(kk_off, kk_diag), 0.0)
 
 
+def _solve_unit_lower(strict_lower, rhs):
+    """Solves (I + N) X = rhs for strictly lower-triangular N [..., C, C] with matmuls only.
+
+    N is nilpotent (N^C = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(2^(m-1))), 2^m >= C: 2m matmuls
+    of [C, C], which XLA runs on any backend (and differentiates) without a LAPACK call.
+    """
+    chunk = strict_lower.shape[-1]
+    power = -strict_lower  # (-N)^(2^j)
+    out = rhs + jnp.einsum("...ij,...jd->...id", power, rhs, precision=HIGHEST)
+    for _ in range(max(chunk - 1, 1).bit_length() - 1):
+        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=HIGHEST)
+        out = out + jnp.einsum("...ij,...jd->...id", power, out, precision=HIGHEST)
+    return out
+
+
 @functools.partial(jax.jit, static_argnames="chunk_size")
 def _chunked_forward(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
     """q (pre-scaled), k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; segment_ids: [B, T] int; float32.
@@ -90,9 +105,8 @@ def _chunked_forward(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
     G = jnp.cumsum(g, axis=-2)  # [N, B, H, C, K]
     sub_chunk = min(SUB_CHUNK, chunk_size)
     A_qk, A_kk = (jnp.where(same_segment, a, 0.0) for a in _intra_chunk_scores(q, k, G, sub_chunk))  # [N, B, H, C, C]
-    eye = jnp.eye(chunk_size, dtype=jnp.float32)
     rhs = jnp.concatenate([beta * v, beta * k * jnp.exp(G)], axis=-1)  # [N, B, H, C, V + K]
-    uw = jax.scipy.linalg.solve_triangular(eye + beta * A_kk, rhs, lower=True, unit_diagonal=True)
+    uw = _solve_unit_lower(beta * A_kk, rhs)
     u, w = uw[..., :head_v], continues * uw[..., head_v:]
 
     def step(state, xs):  # state: [B, H, K, V]
