@@ -19,7 +19,7 @@ TOL = 1e-5
 
 
 def our_config(**overrides):
-    return pyconfig.load_config("configs/kimi_linear_tiny.yml", {
+    return pyconfig.load_config(f"{pyconfig.CONFIGS_DIR}/kimi_linear_tiny.yml", {
         "emb_dim": HIDDEN, "kda_num_heads": HEADS, "kda_head_dim": HEAD_DIM, **overrides})
 
 
