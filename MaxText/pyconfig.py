@@ -31,6 +31,9 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather"),
+    "speculative": ("none", "ngram", "draft_model"),
+    "verify_checkpoint_dtype": ("float32", "bfloat16"),
+    "jax_distributed_initialize": ("auto", "always", "never"),
 }
 
 # Keys that must be >= 1.
@@ -44,6 +47,7 @@ POSITIVE_INT_KEYS = (
 NON_NEGATIVE_INT_KEYS = ("q_lora_rank", "qk_rope_head_dim", "first_num_dense_layers", "shared_experts",
                          "max_new_tokens", "seed", "warmup_steps", "eval_interval")
 MESH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
+DCN_MESH_KEYS = ("dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism", "dcn_expert_parallelism")
 
 # Keys computed here from the others; a yml or override that sets them is an error.
 DERIVED_KEYS = ("layer_types", "mlp_types", "config_path")
@@ -107,12 +111,15 @@ def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
     return value
 
 
-def parse_override(arg: str) -> tuple[str, Any]:
-    """`key=value` -> (key, value parsed as a YAML scalar or flow list)."""
+def parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
+    """`key=value` -> (key, value). Values of string keys are taken verbatim (`prompt=def f(x):` stays text);
+    the others are parsed as YAML scalars or flow lists (`steps=10`, `kda_layers=[1, 2]`, `resume=true`)."""
     if "=" not in arg:
         raise ConfigError(f"command-line argument {arg!r} is not of the form key=value")
     key, raw = arg.split("=", 1)
     key = key.strip()
+    if isinstance(defaults.get(key), str):
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
@@ -149,11 +156,17 @@ def _validate(cfg: dict[str, Any]) -> None:
     for key in NON_NEGATIVE_INT_KEYS:
         if cfg[key] < 0:
             raise ConfigError(f"config key {key!r} is {cfg[key]!r}; it must be >= 0")
-    for key in MESH_KEYS:
-        if cfg[key] != -1 and cfg[key] < 1:
-            raise ConfigError(f"config key {key!r} is {cfg[key]!r}; it must be >= 1, or -1 to fill the remaining devices")
-    if sum(cfg[k] == -1 for k in MESH_KEYS) > 1:
-        raise ConfigError(f"at most one of {', '.join(MESH_KEYS)} may be -1")
+    for keys in (MESH_KEYS, DCN_MESH_KEYS):
+        for key in keys:
+            if cfg[key] != -1 and cfg[key] < 1:
+                raise ConfigError(f"config key {key!r} is {cfg[key]!r}; it must be >= 1, or -1 to fill the remaining "
+                                  f"devices")
+        if sum(cfg[k] == -1 for k in keys) > 1:
+            raise ConfigError(f"at most one of {', '.join(keys)} may be -1")
+    if cfg["num_processes"] < 0:
+        raise ConfigError(f"num_processes is {cfg['num_processes']}; it must be >= 0 (0 = from the environment)")
+    if cfg["process_id"] < -1:
+        raise ConfigError(f"process_id is {cfg['process_id']}; it must be >= 0, or -1 (from the environment)")
     if cfg["kda_chunk_size"] % 16:
         raise ConfigError(f"kda_chunk_size is {cfg['kda_chunk_size']}; it must be a multiple of 16")
     _check_layer_lists(cfg)
@@ -186,6 +199,30 @@ def _validate(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"max_target_length is {cfg['max_target_length']}; training needs sequences of >= 2 tokens")
     if cfg["temperature"] < 0:
         raise ConfigError(f"temperature is {cfg['temperature']}; it must be >= 0")
+    _check_speculative(cfg)
+
+
+# The most draft tokens one verify step scores (the verify forward and its KDA checkpoints grow with it).
+MAX_DRAFT_TOKENS = 16
+
+
+def _check_speculative(cfg: dict[str, Any]) -> None:
+    """Speculative-decoding settings the engine cannot honour fail here, before anything is loaded."""
+    if not 1 <= cfg["num_draft_tokens"] <= MAX_DRAFT_TOKENS:
+        raise ConfigError(f"num_draft_tokens is {cfg['num_draft_tokens']}; it must be in [1, {MAX_DRAFT_TOKENS}]")
+    if cfg["ngram_max_size"] < 1:
+        raise ConfigError(f"ngram_max_size is {cfg['ngram_max_size']}; it must be >= 1")
+    if cfg["speculative_topk"] != 1:
+        raise ConfigError(f"speculative_topk is {cfg['speculative_topk']}: tree drafts are not supported; only a "
+                          f"linear chain of drafts (speculative_topk=1) is")
+    if cfg["speculative"] == "none":
+        return
+    if cfg["temperature"] != 0:
+        raise ConfigError(f"speculative={cfg['speculative']!r} with temperature={cfg['temperature']}: speculative "
+                          f"decoding is greedy only (no rejection sampling); set temperature=0 or speculative=none")
+    if cfg["speculative"] == "draft_model" and not os.path.isfile(cfg["draft_config_path"]):
+        raise ConfigError(f"speculative='draft_model' needs draft_config_path to name the draft model's yml; got "
+                          f"{cfg['draft_config_path']!r}, which is not a file")
 
 
 def _derive(cfg: dict[str, Any], path: str) -> None:
@@ -215,7 +252,7 @@ def load_config(path: str, overrides: Sequence[str] | Mapping[str, Any] = ()) ->
         if key not in defaults:
             raise _unknown_key_error(key, known, path)
         cfg[key] = _coerce(key, value, defaults[key], path)
-    items = overrides.items() if isinstance(overrides, Mapping) else (parse_override(a) for a in overrides)
+    items = overrides.items() if isinstance(overrides, Mapping) else (parse_override(a, defaults) for a in overrides)
     for key, value in items:
         if key not in defaults:
             raise _unknown_key_error(key, known, "the command line")

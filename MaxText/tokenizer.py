@@ -149,9 +149,19 @@ class KimiTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Ids -> text. Ids past the tokenizer (a model's vocabulary is often padded beyond it) count as special:
+        dropped, or shown as <|unused_ID|> when `skip_special_tokens` is False."""
         special = set(self.special_tokens.values())
-        kept = [i for i in ids if not (skip_special_tokens and i in special)]
-        return self.encoding.decode(kept)
+        pieces, run = [], []
+        for token in ids:
+            if token in special or not 0 <= token < self.vocab_size:
+                if not skip_special_tokens:
+                    pieces.append(self.encoding.decode(run))
+                    run = []
+                    pieces.append(self.encoding.decode([token]) if token in special else f"<|unused_{token}|>")
+                continue
+            run.append(token)
+        return "".join(pieces) + self.encoding.decode(run)
 
 
 # ------------------------------------------------------------------------------------------------ choice

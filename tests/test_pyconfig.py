@@ -82,3 +82,8 @@ def test_invalid_values(overrides, message):
 def test_missing_file():
     with pytest.raises(ConfigError, match=r"config file '.*configs/nope.yml' does not exist"):
         load_config(f"{pyconfig.CONFIGS_DIR}/nope.yml")
+
+
+def test_string_values_are_taken_verbatim():
+    c = load_config(TINY, ["prompt=def fibonacci(n): [1, 2]", "run_name=123", "dataset_path=a.py, b/*.txt"])
+    assert c.prompt == "def fibonacci(n): [1, 2]" and c.run_name == "123" and c.dataset_path == "a.py, b/*.txt"

@@ -66,3 +66,12 @@ def test_kimi_tokenizer_rejects_unknown_special(tmp_path):
 def test_long_runs_are_split():
     assert list(tok._split_runs("aaaa  bb", 3)) == ["aaa", "a  bb"]
     assert "".join(tok._split_runs("x" * 10 + " " * 7, 4)) == "x" * 10 + " " * 7
+
+
+def test_kimi_tokenizer_decodes_ids_past_its_vocabulary(tmp_path):
+    """A model's vocabulary is padded beyond the tokenizer: such ids decode like special tokens."""
+    ids = write_small_kimi_tokenizer(str(tmp_path))
+    t = tok.KimiTokenizer(str(tmp_path))
+    past = t.vocab_size + 5
+    assert t.decode([ids["hello"], past, ids[" world"]]) == "hello world"
+    assert t.decode([ids["hello"], past], skip_special_tokens=False) == f"hello<|unused_{past}|>"
