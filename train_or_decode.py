@@ -31,7 +31,9 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     _setup_logging(config.log_level)
-    from MaxText import decode, train  # after logging is set up: importing JAX is slow and chatty
+    from MaxText import decode, sharding, train  # after logging is set up: importing JAX is slow and chatty
+
+    sharding.maybe_initialize_distributed(config)  # multi-host: before anything else touches the devices
 
     params = None
     if config.mode in ("train", "both"):
@@ -49,6 +51,10 @@ def main(argv: list[str]) -> int:
         print(f"prefill: {stats.prefill_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tokens/s; decode: "
               f"{stats.decode_tokens} tokens, {stats.decode_tokens_per_second:.1f} tokens/s "
               f"(first call includes compilation)")
+        if config.speculative != "none":
+            print(f"speculative={config.speculative}, num_draft_tokens={config.num_draft_tokens}: acceptance "
+                  f"{100 * stats.acceptance_rate:.1f}%, {stats.tokens_per_step:.2f} tokens per verify step, "
+                  f"{stats.verify_steps} verify steps")
     return 0
 
 

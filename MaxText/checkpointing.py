@@ -285,9 +285,20 @@ def load_params(path: str, config: Mapping[str, Any], target: Mapping[str, Any] 
     return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(item=target, restore_args=args))
 
 
-def load_for_inference(path: str, **config_overrides) -> tuple[ml_collections.FrozenConfigDict, dict[str, Any]]:
+def load_sharded_params(path: str, config: ml_collections.FrozenConfigDict, mesh=None) -> dict[str, Any]:
+    """`load_params` onto the param shardings of `mesh` (default: the mesh of `config`'s ici_* / dcn_* keys): each
+    device reads only its own shards, so no host or device ever holds the whole model."""
+    from MaxText import sharding  # pylint: disable=import-outside-toplevel  (imports the model)
+
+    mesh = sharding.create_mesh(config) if mesh is None else mesh
+    return load_params(path, config, abstract_params(config, sharding.param_sharding_fn(config, mesh)))
+
+
+def load_for_inference(path: str, sharded: bool = False,
+                       **config_overrides) -> tuple[ml_collections.FrozenConfigDict, dict[str, Any]]:
     """(config, params) of the checkpoint directory `path`: its config.yml with `config_overrides` applied
-    (e.g. max_target_length=4096, dtype='bfloat16'); overriding an architecture key fails with CheckpointError."""
+    (e.g. max_target_length=4096, dtype='bfloat16'); overriding an architecture key fails with CheckpointError.
+    sharded: restore onto the config's mesh (`load_sharded_params`) instead of into host numpy arrays."""
     _params_dir(path)  # fail on a missing checkpoint before reading its config
     config = pyconfig.load_config(os.path.join(path, CONFIG_FILE), config_overrides)
-    return config, load_params(path, config)
+    return config, (load_sharded_params(path, config) if sharded else load_params(path, config))

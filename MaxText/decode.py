@@ -13,7 +13,7 @@ import logging
 
 import jax
 
-from MaxText import checkpointing
+from MaxText import checkpointing, pyconfig
 from MaxText.inference.engine import Engine, GenerationStats
 from MaxText.layers.models import KimiLinearForCausalLM
 from MaxText.tokenizer import load_tokenizer
@@ -32,7 +32,7 @@ class DecodeResult:
 
 def load_decode_params(config):
     if config.load_parameters_path:
-        return checkpointing.load_params(config.load_parameters_path, config)
+        return checkpointing.load_sharded_params(config.load_parameters_path, config)
     params = latest_trained_params(config)
     if params is None:
         logger.warning("no load_parameters_path and no training checkpoint for run %r: decoding with RANDOM "
@@ -47,5 +47,25 @@ def decode(config, params=None) -> DecodeResult:
     engine = Engine(config, load_decode_params(config) if params is None else params)
     prompt_ids = tokenizer.encode(config.prompt, add_bos=tokenizer.bos_id is not None)
     new_ids = engine.generate([prompt_ids], config.max_new_tokens, temperature=config.temperature,
-                              seed=config.seed, eos_id=tokenizer.eos_id)[0]
-    return DecodeResult(config.prompt, tokenizer.decode(new_ids), new_ids, engine.last_stats)
+                              seed=config.seed, eos_id=tokenizer.eos_id, speculative=config.speculative,
+                              num_draft_tokens=config.num_draft_tokens, draft_engine=load_draft_engine(config))[0]
+    stats = engine.last_stats
+    if config.speculative != "none":
+        logger.info("speculative=%s, k=%d: acceptance %.1f%%, %.2f tokens per verify step, %d verify steps",
+                    config.speculative, config.num_draft_tokens, 100 * stats.acceptance_rate, stats.tokens_per_step,
+                    stats.verify_steps)
+    return DecodeResult(config.prompt, tokenizer.decode(new_ids), new_ids, stats)
+
+
+def load_draft_engine(config) -> Engine | None:
+    """speculative=draft_model: an Engine of `draft_config_path` with `draft_parameters_path` (random init when
+    empty, with a warning); None otherwise."""
+    if config.speculative != "draft_model":
+        return None
+    draft_config = pyconfig.load_config(config.draft_config_path)
+    if config.draft_parameters_path:
+        return Engine(draft_config, checkpointing.load_params(config.draft_parameters_path, draft_config))
+    logger.warning("speculative=draft_model without draft_parameters_path: the draft model has RANDOM weights (its "
+                   "drafts are rarely accepted; the output is still exact)")
+    return Engine(draft_config, init_params(KimiLinearForCausalLM(draft_config), draft_config,
+                                            jax.random.key(config.seed)))

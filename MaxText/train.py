@@ -25,6 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from MaxText import sharding
 from MaxText.data import Batch, PackedDataset, resolve_files, split_files
 from MaxText.layers.models import KimiLinearForCausalLM
 from MaxText.tokenizer import load_tokenizer
@@ -89,19 +90,61 @@ def mean_loss(model, params, batch: Batch) -> jax.Array:
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def init_params(model, config, rng):
+def init_params(model, config, rng, shardings=None):
+    """Random-init params (unboxed); created directly on `shardings` (a NamedSharding tree) when given."""
     dummy = jnp.zeros((1, config.max_target_length), jnp.int32)
-    return jax.jit(lambda key: nn.meta.unbox(model.init(key, dummy, model_mode="train")["params"]))(rng)
+    return jax.jit(lambda key: nn.meta.unbox(model.init(key, dummy, model_mode="train")["params"]),
+                   out_shardings=shardings)(rng)
 
 
-def make_train_step(model, optimizer):
+@dataclasses.dataclass(frozen=True)
+class TrainSharding:
+    """Where training lives: the mesh, the NamedSharding trees of the train state ({step, params, opt_state}) and
+    of a Batch (rows over the 'batch' logical axis: data x fsdp)."""
+    mesh: jax.sharding.Mesh
+    config: Any
+    state: Any
+    batch: Batch
+
+
+def train_sharding(config, model, optimizer, mesh=None) -> TrainSharding:
+    """The mesh of `config` (checked against the model) and the shardings of the state: params by their logical
+    axes, the optimizer's per-param moments like their params, its scalars replicated."""
+    mesh = sharding.create_mesh(config) if mesh is None else mesh
+    sharding.check_mesh_fits_model(config, mesh)
+    params = sharding.param_shardings(config, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    abstract_opt_state = jax.eval_shape(optimizer.init, jax.eval_shape(lambda: init_params(model, config,
+                                                                                            jax.random.key(0))))
+    opt_state = optax.tree_map_params(optimizer, lambda _, param_sharding: param_sharding, abstract_opt_state,
+                                      params, transform_non_params=lambda _: replicated)
+    rows = sharding.batch_sharding(mesh, config, 2)
+    return TrainSharding(mesh, config, {"step": replicated, "params": params, "opt_state": opt_state},
+                         Batch(rows, rows, rows))
+
+
+def make_train_step(model, optimizer, shardings: TrainSharding | None = None):
+    """The jitted step (state, batch) -> (state, {loss, grad_norm}); sharded as `shardings` says when given."""
     def train_step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: mean_loss(model, p, batch))(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                      "opt_state": opt_state}
         return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
-    return jax.jit(train_step, donate_argnums=0)
+    if shardings is None:
+        return jax.jit(train_step, donate_argnums=0)
+    replicated = shardings.state["step"]
+    return sharding.jit_in_mesh(train_step, shardings.mesh, shardings.config, donate_argnums=0,
+                                in_shardings=(shardings.state, shardings.batch),
+                                out_shardings=(shardings.state, {"loss": replicated, "grad_norm": replicated}))
+
+
+def init_train_state(model, optimizer, config, rng, shardings: TrainSharding):
+    """{step, params, opt_state} created directly on their shardings."""
+    params = init_params(model, config, rng, shardings.state["params"])
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings.state["opt_state"])(params)
+    return {"step": jax.device_put(jnp.zeros((), jnp.int32), shardings.state["step"]), "params": params,
+            "opt_state": opt_state}
 
 
 def _checkpoint_manager(config) -> ocp.CheckpointManager:
@@ -134,8 +177,8 @@ def latest_trained_params(config):
     return state["params"]
 
 
-def _batch_to_device(batch: Batch) -> Batch:
-    return Batch(*(jnp.asarray(x) for x in batch))
+def _batch_to_device(batch: Batch, shardings: Batch) -> Batch:
+    return Batch(*(jax.device_put(x, s) for x, s in zip(batch, shardings)))
 
 
 def train(config: ml_collections.FrozenConfigDict) -> TrainResult:
@@ -143,16 +186,16 @@ def train(config: ml_collections.FrozenConfigDict) -> TrainResult:
     tokenizer = load_tokenizer("", config)
     train_files, eval_files = split_files(resolve_files(config.dataset_path), config.eval_fraction)
     batch_size = config.per_device_batch_size * jax.device_count()
+    model = KimiLinearForCausalLM(config)
+    optimizer = make_optimizer(config)
+    shardings = train_sharding(config, model, optimizer)
     train_data = PackedDataset(train_files, tokenizer, config.max_target_length, batch_size, config.seed)
-    eval_batches = [_batch_to_device(b) for b in PackedDataset(
+    eval_batches = [_batch_to_device(b, shardings.batch) for b in PackedDataset(
         eval_files, tokenizer, config.max_target_length, batch_size, config.seed).fixed_batches(config.eval_batches)]
     logger.info("data: %d train files (%d tokens, %d rows), %d held-out files", len(train_files),
                 train_data.num_tokens, train_data.num_rows, len(eval_files))
 
-    model = KimiLinearForCausalLM(config)
-    optimizer = make_optimizer(config)
-    params = init_params(model, config, jax.random.key(config.seed))
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+    state = init_train_state(model, optimizer, config, jax.random.key(config.seed), shardings)
     manager = _checkpoint_manager(config)
     if config.resume and manager.latest_step() is not None:
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
@@ -160,8 +203,9 @@ def train(config: ml_collections.FrozenConfigDict) -> TrainResult:
     elif config.resume:
         logger.warning("resume=true but %s holds no checkpoint; starting at step 0", manager.directory)
 
-    train_step = make_train_step(model, optimizer)
-    eval_fn = jax.jit(lambda p, b: mean_loss(model, p, b))
+    train_step = make_train_step(model, optimizer, shardings)
+    eval_fn = sharding.jit_in_mesh(lambda p, b: mean_loss(model, p, b), shardings.mesh, config,
+                                   in_shardings=(shardings.state["params"], shardings.batch))
     schedule = learning_rate_schedule(config)
 
     def held_out_loss(params) -> float:
@@ -176,7 +220,7 @@ def train(config: ml_collections.FrozenConfigDict) -> TrainResult:
     progress.write(f"step {start}: held-out loss {eval_losses[start]:.4f}")
     for step in progress:
         t0 = time.perf_counter()
-        state, metrics = train_step(state, _batch_to_device(train_data.batch(step)))
+        state, metrics = train_step(state, _batch_to_device(train_data.batch(step), shardings.batch))
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         if not (np.isfinite(loss) and np.isfinite(grad_norm)):
             manager.wait_until_finished()

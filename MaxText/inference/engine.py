@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from MaxText import sharding
+from MaxText.inference import speculative as spec
 from MaxText.inference.sampling import SamplingParams, check_sampling_params, sample
 from MaxText.layers.models import KimiLinearForCausalLM
 
@@ -40,8 +42,15 @@ class GenerationStats(NamedTuple):
     """Timings of the last `generate` call (wall seconds; the first call of a new shape includes compilation)."""
     prefill_tokens: int  # real (unpadded) prompt tokens
     prefill_seconds: float
-    decode_tokens: int  # decode steps x batch rows (rows that already stopped included: they are computed)
+    decode_tokens: int  # decode steps x batch rows (rows that already stopped included: they are computed);
+    #                     speculative: the tokens the rows emitted
     decode_seconds: float
+    # Speculative decoding (all 0 for plain decoding):
+    num_draft_tokens: int = 0  # k, draft tokens per verify step
+    verify_steps: int = 0  # verify forwards (each scores k + 1 tokens per row)
+    draft_tokens: int = 0  # draft tokens proposed to rows still generating
+    accepted_draft_tokens: int = 0  # of those, the ones equal to the model's own greedy choice
+    accepted_length_counts: tuple[int, ...] = ()  # [k + 1]: row-steps whose drafts matched 0, 1, ..., k tokens
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -50,6 +59,17 @@ class GenerationStats(NamedTuple):
     @property
     def decode_tokens_per_second(self) -> float:
         return self.decode_tokens / max(self.decode_seconds, 1e-9)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 for plain decoding)."""
+        return self.accepted_draft_tokens / max(self.draft_tokens, 1)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a row gains per verify forward, 1 + accepted drafts per row-step (1.0 for plain decoding)."""
+        row_steps = self.draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0
+        return 1.0 + self.accepted_draft_tokens / row_steps if row_steps else 1.0
 
 
 class Engine:
@@ -61,23 +81,40 @@ class Engine:
     `last_stats` holds the GenerationStats of the latest `generate` call (None before the first).
     """
 
-    def __init__(self, config: ml_collections.FrozenConfigDict, params: Mapping[str, Any]):
+    def __init__(self, config: ml_collections.FrozenConfigDict, params: Mapping[str, Any],
+                 mesh: jax.sharding.Mesh | None = None):
         self.config = config
         self.model = KimiLinearForCausalLM(config)
-        self.params = self._checked_params(params)
+        # Sharding (MaxText/sharding.py): params on their logical-axis shardings, batch rows over data (and fsdp),
+        # the decode cache by the layers' CACHE_LOGICAL_AXES; the default mesh comes from the ici_* / dcn_* keys.
+        self.mesh = sharding.create_mesh(config) if mesh is None else mesh
+        sharding.check_mesh_fits_model(config, self.mesh)
+        self.param_shardings = sharding.param_shardings(config, self.mesh)
+        self.params = jax.device_put(self._checked_params(params), self.param_shardings)
         self.last_stats: GenerationStats | None = None
-        self._forward = jax.jit(functools.partial(self.model.apply, model_mode="train"))
-        self._prefill = jax.jit(self._prefill_fn)
+        self._speculative_decoders: dict[tuple, spec.SpeculativeDecoder] = {}  # by drafter key
+        rows = functools.partial(sharding.batch_sharding, self.mesh, config)  # [B, ...] arrays of ndim dims
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        cache_shardings = sharding.cache_shardings(self._abstract_cache(), self.mesh, config)
+        self._forward = sharding.jit_in_mesh(
+            functools.partial(self.model.apply, model_mode="train"), self.mesh, config,
+            in_shardings=({"params": self.param_shardings}, rows(2)), out_shardings=rows(3))
+        self._prefill = sharding.jit_in_mesh(self._prefill_fn, self.mesh, config,
+                                             in_shardings=(self.param_shardings, rows(2), rows(2)),
+                                             out_shardings=(rows(2), cache_shardings))
         # The cache is donated into the decode loop (reused in place where the backend supports donation).
-        self._decode = jax.jit(self._decode_fn, static_argnames=("max_new_tokens", "sampling"),
-                               donate_argnames=("cache",))
+        self._decode = sharding.jit_in_mesh(
+            self._decode_fn, self.mesh, config, static_argnames=("max_new_tokens", "sampling"),
+            donate_argnames=("cache",),
+            in_shardings=(self.param_shardings, cache_shardings, rows(2), replicated, replicated),
+            out_shardings=(rows(2), replicated, cache_shardings))
 
     @classmethod
     def from_checkpoint(cls, path: str, **config_overrides) -> "Engine":
         """Loads the config and params written by `MaxText.convert_hf_checkpoint` (or training) at `path`."""
         from MaxText import checkpointing  # imported lazily: Orbax is only needed here
 
-        config, params = checkpointing.load_for_inference(path, **config_overrides)
+        config, params = checkpointing.load_for_inference(path, sharded=True, **config_overrides)
         return cls(config, params)
 
     # ------------------------------------------------------------------------------------------- public API
@@ -101,41 +138,73 @@ class Engine:
         batch, length = tokens.shape
         padded = np.zeros((batch, _bucket(length)), np.int32)
         padded[:, :length] = tokens
-        logits = self._forward({"params": self.params}, jnp.asarray(padded))
-        return np.asarray(logits[:, :length], dtype=np.float32)
+        logits = self._forward({"params": self.params}, jnp.asarray(self._rows_for_mesh(padded)))
+        return np.asarray(logits[:batch, :length], dtype=np.float32)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 eos_id: int | None = None) -> list[list[int]]:
+                 eos_id: int | None = None, speculative: str | None = None, num_draft_tokens: int = 4,
+                 draft_engine: "Engine | None" = None) -> list[list[int]]:
         """Generates up to `max_new_tokens` tokens after each prompt; returns the new token ids per prompt.
 
         temperature 0 is greedy (identical to generating each prompt alone); > 0 samples with optional top-k /
         top-p filtering from a PRNG seeded by `seed`. A row stops after its first `eos_id`, which it includes.
+        speculative: None / 'none' (plain decoding), 'ngram' (prompt lookup) or 'draft_model' (`draft_engine`, an
+        Engine of a smaller model with the same vocabulary) verifies `num_draft_tokens` drafts per forward
+        (inference/speculative.py); greedy only, the same tokens as plain greedy; stats in `last_stats`.
         Raises ValueError, before any compute, for an empty prompt list or prompt, a token id outside
-        [0, vocab_size), a prompt longer than max_target_length - max_new_tokens, or bad sampling arguments.
+        [0, vocab_size), a prompt longer than max_target_length - max_new_tokens (- num_draft_tokens when
+        speculative), or bad sampling / speculative arguments.
         """
         sampling = SamplingParams(float(temperature), top_k, None if top_p is None else float(top_p))
-        self._check_request(prompts, max_new_tokens, sampling, eos_id)
+        speculative = None if speculative == "none" else speculative
+        draft_positions = 0 if speculative is None else num_draft_tokens  # verify writes k positions past the last
+        if speculative is not None:
+            spec.check_request(self.config, speculative, num_draft_tokens, draft_engine, sampling.temperature)
+        self._check_request(prompts, max_new_tokens + draft_positions, sampling, eos_id)
+        if draft_engine is not None:
+            draft_engine._check_request(prompts, max_new_tokens + draft_positions, sampling, eos_id)
         if max_new_tokens == 0:
             return [[] for _ in prompts]
         longest = max(len(p) for p in prompts)
-        length = _bucket(longest, self.config.max_target_length - max_new_tokens + 1)
+        # Cache positions: plain decoding writes L + max_new_tokens - 1; a verify step writes k past its row's tokens.
+        limits = [engine.config.max_target_length - max_new_tokens - draft_positions + (speculative is None)
+                  for engine in (self, draft_engine) if engine is not None]
+        length = _bucket(longest, min(limits))
         tokens = np.zeros((len(prompts), length), np.int32)
         segment_ids = np.zeros((len(prompts), length), np.int32)
         for row, prompt in enumerate(prompts):  # left padding: every row's last prompt token is at length - 1
             tokens[row, length - len(prompt):] = prompt
             segment_ids[row, length - len(prompt):] = 1
+        tokens, segment_ids = self._rows_for_mesh(tokens), self._rows_for_mesh(segment_ids)
         start = time.perf_counter()
         first_logits, cache = jax.block_until_ready(
             self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(segment_ids)))
         prefilled = time.perf_counter()
+        if speculative is not None:  # the draft model's prefill counts as decode time
+            result = self._speculative_decoder(speculative, num_draft_tokens, draft_engine).generate(
+                jnp.asarray(tokens), jnp.asarray(segment_ids), first_logits, cache,
+                -1 if eos_id is None else eos_id, max_new_tokens)
+            rows = [_until_eos(row.tolist(), eos_id) for row in result.tokens[:len(prompts)]]
+            self.last_stats = GenerationStats(
+                sum(len(p) for p in prompts), prefilled - start, sum(len(row) for row in rows),
+                time.perf_counter() - prefilled, num_draft_tokens, result.verify_steps, result.draft_tokens,
+                result.accepted_draft_tokens, result.accepted_length_counts)
+            return rows
         new_tokens, num_steps, _ = self._decode(self.params, cache, first_logits, jax.random.PRNGKey(seed),
                                                 jnp.int32(-1 if eos_id is None else eos_id),
                                                 max_new_tokens=max_new_tokens, sampling=sampling)
-        new_tokens = np.asarray(new_tokens)[:, :int(num_steps)]
+        new_tokens = np.asarray(new_tokens)[:len(prompts), :int(num_steps)]
         self.last_stats = GenerationStats(sum(len(p) for p in prompts), prefilled - start,
                                           new_tokens.size, time.perf_counter() - prefilled)
         return [_until_eos(row.tolist(), eos_id) for row in new_tokens]
+
+    def _speculative_decoder(self, method: str, num_draft_tokens: int, draft_engine) -> spec.SpeculativeDecoder:
+        """The (compiled once, then reused) speculative loop for this drafter."""
+        drafter = spec.make_drafter(method, num_draft_tokens, draft_engine, self.config.ngram_max_size)
+        if drafter.key not in self._speculative_decoders:
+            self._speculative_decoders[drafter.key] = spec.SpeculativeDecoder(self, drafter)
+        return self._speculative_decoders[drafter.key]
 
     # ------------------------------------------------------------------------------------------- jitted steps
 
@@ -193,8 +262,23 @@ class Engine:
             if tuple(np.shape(got[path])) != tuple(spec.shape):
                 raise ValueError(f"param {path} has shape {tuple(np.shape(got[path]))}; the config implies "
                                  f"{tuple(spec.shape)}")
-        cast = {path: jnp.asarray(got[path], dtype=spec.dtype) for path, spec in want.items()}
+        # jax.Arrays keep their placement (a sharded restore); host arrays stay on the host until device_put shards
+        # them, so no device ever holds a whole large param.
+        cast = {path: got[path].astype(spec.dtype) if isinstance(got[path], jax.Array)
+                else np.asarray(got[path], dtype=spec.dtype) for path, spec in want.items()}
         return flax.traverse_util.unflatten_dict(cast, sep="/")
+
+    def _abstract_cache(self):
+        """The decode cache's structure (ShapeDtypeStructs of a 1-row, 1-token prefill); nothing is allocated."""
+        dummy = jnp.zeros((1, 1), jnp.int32)
+        return jax.eval_shape(lambda: self.model.init(jax.random.PRNGKey(0), dummy, model_mode="prefill"))["cache"]
+
+    def _rows_for_mesh(self, rows: np.ndarray) -> np.ndarray:
+        """[B, ...] -> [B', ...]: the last row repeated until B' is a multiple of the mesh's batch shards (the extra
+        rows are computed like the row they copy, and dropped from every result)."""
+        multiple = sharding.batch_multiple(self.mesh, self.config)
+        extra = -rows.shape[0] % multiple
+        return np.concatenate([rows, np.repeat(rows[-1:], extra, axis=0)]) if extra else rows
 
     def _check_token_ids(self, prompts: Sequence[Sequence[int]]) -> None:
         vocab = self.config.vocab_size

@@ -10,6 +10,12 @@ Reads top to bottom like the math (DESIGN.md §3; reference: HF `KimiLinearDelta
 Param names follow the HF checkpoint (q_proj, q_conv1d, f_a_proj, A_log, dt_bias, o_norm, ...). Decode state lives in
 the `cache` collection: `conv_state` [B, W-1, 3*H*K] (the last W-1 pre-convolution q|k|v inputs, activation dtype)
 and `recurrent_state` [B, H, K, V] float32. Each batch row is an independent decode slot.
+
+model_mode='verify' (speculative decoding) scores T draft tokens from the committed state without changing it, and
+writes per-token checkpoints: `verify_inputs` [B, W-1+T, 3*H*K] (the conv window followed by the drafts' pre-conv
+inputs: the window after accepting `a` tokens is its slice [a, a+W-1)) and `verify_states` [B, T, H, K, V]
+(`verify_checkpoint_dtype`; the state after each token). `commit_verified(layer_cache, accepted_len)` then makes the
+accepted checkpoint the committed state and drops the checkpoints.
 """
 
 from __future__ import annotations
@@ -23,7 +29,17 @@ import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
 
-MODEL_MODES = ("train", "prefill", "autoregressive")
+MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
+# Logical axes of the cache entries (MaxText/sharding.py shards the cache by them): rows over the data axis, the
+# recurrent state's heads over tensor. conv_state's channels are q|k|v concatenated, so a 1-D split of them would not
+# fall on head boundaries; it is small ((W-1) * 3*H*K per row) and stays whole on each tensor shard.
+CACHE_LOGICAL_AXES = {
+    "conv_state": ("cache_batch", None, None),
+    "recurrent_state": ("cache_batch", "kda_heads", None, None),
+    "verify_inputs": ("cache_batch", None, None),
+    "verify_states": ("cache_batch", None, "kda_heads", None, None),
+}
+HEAD_ACTIVATION_AXES = ("batch", "length", "kda_heads", None)  # q, k, v, g, o: [B, T, H, K]
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):
@@ -143,7 +159,20 @@ class KimiDeltaAttention(nn.Module):
         A_log = self._param("A_log", a_log_init, (num_heads,), ("kda_heads",))
         dt_bias = self._param("dt_bias", dt_bias_init, (qkv_dim,), ("kda_qkv",))
         beta = jax.nn.sigmoid(self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x).astype(jnp.float32))
+        # The kernels work per (row, head): keep heads split over the tensor axis (no gather of the state).
+        q, k, v, g_raw = (nn.with_logical_constraint(t, HEAD_ACTIVATION_AXES) for t in (q, k, v, g_raw))
+        beta = nn.with_logical_constraint(beta, HEAD_ACTIVATION_AXES[:3])
 
+        if model_mode == "verify":
+            o, checkpoints = kda_kernels.recurrent_kda_checkpoints(
+                q, k, v, g_raw, beta, initial_state=recurrent_state.value,
+                checkpoint_dtype=jnp.dtype(cfg.verify_checkpoint_dtype), use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)  # [B, T, H, V], [B, T, H, K, V]
+            if not self.is_initializing():
+                self.put_variable("cache", "verify_inputs",
+                                  jnp.concatenate([window, qkv_pre.astype(window.dtype)], axis=1))  # [B, W-1+T, C]
+                self.put_variable("cache", "verify_states", checkpoints)
+            return self._output(x, o)
         kernel_fn = kda_kernels.fused_recurrent_kda if model_mode == "autoregressive" else kda_kernels.chunk_kda
         o, final_state = kernel_fn(
             q, k, v, g_raw, beta, implementation=cfg.kda_kernel,
@@ -152,12 +181,37 @@ class KimiDeltaAttention(nn.Module):
             A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size,
             **({} if train_segments is None else {"segment_ids": train_segments}))  # o: [B, T, H, V]
         if recurrent_state is not None and not self.is_initializing():
-            conv_state.value = new_window
-            recurrent_state.value = final_state
+            conv_state.value = nn.with_logical_constraint(new_window, CACHE_LOGICAL_AXES["conv_state"])
+            recurrent_state.value = nn.with_logical_constraint(final_state, CACHE_LOGICAL_AXES["recurrent_state"])
+        return self._output(x, nn.with_logical_constraint(o, HEAD_ACTIVATION_AXES))
 
-        # Output gate, gated RMSNorm over each head, output projection.
+    def _output(self, x, o):
+        """Output gate, gated RMSNorm over each head, output projection: o [B, T, H, V] -> [B, T, D]."""
+        cfg = self.config
+        batch, seq_len, num_heads, head_dim = o.shape
+        qkv_dim = num_heads * head_dim
         gate = self._dense(qkv_dim, (None, "kda_qkv"), "g_b_proj")(
             self._dense(head_dim, ("embed", None), "g_a_proj")(x)).reshape(batch, seq_len, num_heads, head_dim)
         o = GatedRMSNorm(head_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype), name="o_norm")(
-            o, gate).astype(dtype)
+            o, gate).astype(jnp.dtype(cfg.dtype))
         return self._dense(cfg.emb_dim, ("kda_qkv", "embed"), "o_proj")(o.reshape(batch, seq_len, qkv_dim))
+
+
+def commit_verified(layer_cache, accepted_len):
+    """The KDA cache after a 'verify' call, as if only the first `accepted_len[b]` draft tokens had been decoded.
+
+    layer_cache: {conv_state, recurrent_state, verify_inputs, verify_states}; accepted_len: [B] int32 in [0, T]
+    (0 keeps the row's state). No state is recomputed: the window is a slice of `verify_inputs` and the recurrent
+    state is the accepted token's checkpoint (one [H, K, V] state per row, cast to float32). Returns the cache without
+    the verify entries (the same structure as before the 'verify' call).
+    """
+    cache = dict(layer_cache)
+    inputs, checkpoints = cache.pop("verify_inputs"), cache.pop("verify_states")  # [B, W-1+T, C], [B, T, H, K, V]
+    window_len = cache["conv_state"].shape[1]
+    cache["conv_state"] = jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, window_len))(
+        inputs, accepted_len)  # [B, W-1, C]
+    slot = jnp.maximum(accepted_len - 1, 0)[:, None, None, None, None]
+    accepted_state = jnp.take_along_axis(checkpoints, slot, axis=1)[:, 0].astype(jnp.float32)  # [B, H, K, V]
+    cache["recurrent_state"] = jnp.where((accepted_len > 0)[:, None, None, None], accepted_state,
+                                         cache["recurrent_state"])
+    return cache

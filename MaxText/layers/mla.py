@@ -12,11 +12,15 @@ Modes (the conventions' `model_mode`):
                   every cached position up to each query: several prefill calls continue each other.
   autoregressive  the same cache write, then attention in the latent space: W_kv_b's key half is absorbed into q
                   and its value half into the output, so only the cached (c, k_rot) are read.
+  verify          (speculative decoding) like autoregressive for T draft tokens, but the write index does not move:
+                  `commit_verified(layer_cache, accepted_len)` then advances each row by its accepted count and
+                  invalidates the rejected drafts' positions.
 
 Cache (`cache` collection; batch row = decode slot):
   latent     [B, max_target_length, kv_lora_rank + rope]  (c, k_rot) per token, activation dtype
   key_valid  [B, max_target_length] bool                  False for padding and never-written positions
-  index      [] int32                                     next write position (shared: rows advance together)
+  index      [B] int32                                    next write position per row (rows advance together in
+                                                          plain decoding; speculative commits move them apart)
 Positions past max_target_length are not checked inside jit (the engine checks lengths before any compute).
 """
 
@@ -30,7 +34,12 @@ import ml_collections
 from MaxText.layers.linears import Dense, DenseKernel, matmul_precision
 from MaxText.layers.normalizations import RMSNorm
 
-MODEL_MODES = ("train", "prefill", "autoregressive")
+MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
+# Logical axes of the cache entries (MaxText/sharding.py shards the cache by them). The latent is shared by all heads,
+# so only its rows are split (over the data axis).
+CACHE_LOGICAL_AXES = {"latent": ("cache_batch", None, None), "key_valid": ("cache_batch", None),
+                      "index": ("cache_batch",)}
+HEAD_ACTIVATION_AXES = ("batch", "length", "mla_heads", None)  # q and the attention output: [B, T, H, D]
 # HF builds q_a_layernorm and kv_a_layernorm with KimiLinearRMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPSILON = 1e-6
 
@@ -38,12 +47,12 @@ LATENT_NORM_EPSILON = 1e-6
 def _attention_mask(query_positions, key_positions, key_valid, segment_ids=None):
     """[B, 1, T, S] bool: key s is visible to query t when it is at or before t and is not padding.
 
-    query_positions: [T] int32; key_positions: [S] int32; key_valid: [B, S] bool. segment_ids [B, T] (train mode,
+    query_positions: [B, T] int32; key_positions: [S] int32; key_valid: [B, S] bool. segment_ids [B, T] (train mode,
     where the keys are the queries' own tokens, S == T): a key is visible only to queries of its own segment, so
     documents packed into one row do not see each other.
     """
-    causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
-    mask = causal[None, None] & key_valid[:, None, None, :]
+    causal = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, T, S]
+    mask = causal[:, None] & key_valid[:, None, None, :]
     if segment_ids is not None:
         mask &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
     return mask
@@ -88,11 +97,11 @@ class MultiHeadLatentAttention(nn.Module):
             q = Dense(cfg, num_heads * (nope + rope), (None, "mla_heads"), name="q_b_proj")(q_a)
         else:
             q = Dense(cfg, num_heads * (nope + rope), ("embed", "mla_heads"), name="q_proj")(x)
-        q = q.reshape(batch, seq_len, num_heads, nope + rope)
+        q = nn.with_logical_constraint(q.reshape(batch, seq_len, num_heads, nope + rope), HEAD_ACTIVATION_AXES)
         q_nope, q_rope = q[..., :nope], q[..., nope:]  # [B, T, H, nope], [B, T, H, rope]
 
         # The compressed latent of the new tokens: (normalized c, k_rot).
-        kv_a = Dense(cfg, rank + rope, ("embed", None), name="kv_a_proj_with_mqa")(x)  # [B, T, R + rope]
+        kv_a = Dense(cfg, rank + rope, ("embed", "mla_latent"), name="kv_a_proj_with_mqa")(x)  # [B, T, R + rope]
         c = RMSNorm(cfg, LATENT_NORM_EPSILON, None, name="kv_a_layernorm")(kv_a[..., :rank])
         latent = jnp.concatenate([c, kv_a[..., rank:]], axis=-1)  # [B, T, R + rope]
         new_valid = (jnp.ones((batch, seq_len), jnp.bool_) if decoder_segment_ids is None
@@ -103,17 +112,17 @@ class MultiHeadLatentAttention(nn.Module):
 
         # Keys: the input itself (train), or every cache position after writing the new tokens.
         if model_mode == "train":
-            keys, key_valid, start = latent, new_valid, jnp.zeros((), jnp.int32)
+            keys, key_valid, start = latent, new_valid, jnp.zeros((batch,), jnp.int32)
         else:
-            keys, key_valid, start = self._update_cache(latent, new_valid)
-        query_positions = start + jnp.arange(seq_len, dtype=jnp.int32)
+            keys, key_valid, start = self._update_cache(latent, new_valid, advance=model_mode != "verify")
+        query_positions = start[:, None] + jnp.arange(seq_len, dtype=jnp.int32)  # [B, T]
         key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)
         mask = _attention_mask(query_positions, key_positions, key_valid,
                                decoder_segment_ids if model_mode == "train" else None)  # [B, 1, T, S]
         scale = (nope + rope) ** -0.5
         keys_c, keys_rot = keys[..., :rank], keys[..., rank:]  # [B, S, R], [B, S, rope]
 
-        if model_mode == "autoregressive":
+        if model_mode in ("autoregressive", "verify"):
             # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv).
             q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision=precision)  # [B, T, H, R]
             scores = (jnp.einsum("bthr,bsr->bhts", q_latent, keys_c, precision=precision)
@@ -129,19 +138,41 @@ class MultiHeadLatentAttention(nn.Module):
             weights = _masked_softmax(scores, mask, dtype)  # [B, H, T, S]
             out = jnp.einsum("bhts,bshv->bthv", weights, values, precision=precision)  # [B, T, H, v]
 
-        out = out.reshape(batch, seq_len, num_heads * v_dim)
+        out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES).reshape(batch, seq_len, num_heads * v_dim)
         return Dense(cfg, cfg.emb_dim, ("mla_heads", "embed"), name="o_proj")(out)
 
-    def _update_cache(self, latent, new_valid):
-        """Writes the new tokens at the write index; returns (all cached latents, their validity, the old index)."""
+    def _update_cache(self, latent, new_valid, advance: bool):
+        """Writes the new tokens at each row's write index, which moves past them when `advance`.
+
+        Returns (all cached latents [B, S, R + rope], their validity [B, S], the old write index [B]).
+        """
         cfg = self.config
         batch, seq_len, width = latent.shape
         cached = self.variable("cache", "latent", jnp.zeros, (batch, cfg.max_target_length, width), latent.dtype)
         valid = self.variable("cache", "key_valid", jnp.zeros, (batch, cfg.max_target_length), jnp.bool_)
-        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        start = index.value
-        keys = jax.lax.dynamic_update_slice(cached.value, latent.astype(cached.value.dtype), (0, start, 0))
-        key_valid = jax.lax.dynamic_update_slice(valid.value, new_valid, (0, start))
+        index = self.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
+        start = index.value  # [B]
+        keys = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice_in_dim(row, new, at, axis=0))(
+            cached.value, latent.astype(cached.value.dtype), start)
+        key_valid = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice_in_dim(row, new, at, axis=0))(
+            valid.value, new_valid, start)
         if not self.is_initializing():
-            cached.value, valid.value, index.value = keys, key_valid, start + seq_len
+            cached.value = nn.with_logical_constraint(keys, CACHE_LOGICAL_AXES["latent"])
+            valid.value = nn.with_logical_constraint(key_valid, CACHE_LOGICAL_AXES["key_valid"])
+            if advance:
+                index.value = start + seq_len
         return keys, key_valid, start
+
+
+def commit_verified(layer_cache, accepted_len):
+    """The MLA cache after a 'verify' call, as if only the first `accepted_len[b]` draft tokens had been decoded.
+
+    layer_cache: {latent, key_valid, index}; accepted_len: [B] int32 in [0, T]. Each row's write index advances by its
+    accepted count and the rejected drafts' positions become invalid (their latents stay, never attended to, and are
+    overwritten by the next write). Nothing is copied.
+    """
+    cache = dict(layer_cache)
+    cache["index"] = cache["index"] + accepted_len
+    positions = jnp.arange(cache["key_valid"].shape[1], dtype=jnp.int32)
+    cache["key_valid"] = cache["key_valid"] & (positions[None, :] < cache["index"][:, None])
+    return cache

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from MaxText.layers import kda, mla
 from MaxText.layers.decoder import ACTIVATION_AXES, DecoderLayer
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import Dense
@@ -34,7 +35,8 @@ class KimiLinearForCausalLM(nn.Module):
         -> logits [B, T, vocab] float32` ([B, logits_to_keep, vocab] when logits_to_keep > 0: only the last positions
         go through lm_head, as HF's `logits_to_keep`).
     model_mode: 'train' (no cache) | 'prefill' | 'autoregressive' (read and write the `cache` collection, which must
-    be mutable). decoder_segment_ids [B, T]: 0 marks a (left-)padding token, > 0 a real one.
+    be mutable) | 'verify' (score T draft tokens without committing them: follow with `commit_verified_cache`).
+    decoder_segment_ids [B, T]: 0 marks a (left-)padding token, > 0 a real one.
     """
     config: ml_collections.FrozenConfigDict
 
@@ -48,3 +50,20 @@ class KimiLinearForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         logits = Dense(cfg, cfg.vocab_size, ("embed", "vocab"), name="lm_head")(hidden)  # [B, T, V]
         return logits.astype(jnp.float32)
+
+
+def commit_verified_cache(config: ml_collections.FrozenConfigDict, cache, accepted_len: jax.Array):
+    """The model's cache after a model_mode='verify' call, committed to the first `accepted_len[b]` verified tokens.
+
+    cache: the `cache` collection the 'verify' call returned; accepted_len: [B] int32 in [0, T] (0 leaves a row as it
+    was before the call). A pure function: the result equals the cache of decoding only the accepted tokens (KDA: the
+    accepted checkpoint becomes the state; MLA: per-row write index and validity), with the verify-only entries
+    removed, so it has the structure of a prefill / autoregressive cache.
+    """
+    commit = {"kda": kda.commit_verified, "mla": mla.commit_verified}
+    layers = dict(cache["model"])
+    for i, kind in enumerate(config.layer_types):
+        layer = dict(layers[f"layers_{i}"])
+        layer["self_attn"] = commit[kind](layer["self_attn"], accepted_len)
+        layers[f"layers_{i}"] = layer
+    return {**cache, "model": layers}

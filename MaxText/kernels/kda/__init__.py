@@ -22,6 +22,8 @@ import jax
 
 from MaxText.kernels.kda.chunked import chunked_kda
 from MaxText.kernels.kda.naive import naive_recurrent_kda
+from MaxText.kernels.kda.sharded import shard_map_over_rows_and_heads
+from MaxText.kernels.kda.verify import recurrent_kda_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +75,35 @@ def chunk_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
     """Prefill-shaped KDA (many tokens). See the module docstring for the arguments."""
     chosen = resolve(implementation, "prefill", q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
     if chosen == "pallas":
-        return load_pallas().chunk_kda(q, k, v, g, beta, **kwargs)
+        return partitioned(load_pallas().chunk_kda)(q, k, v, g, beta, **kwargs)
     fn = chunked_kda if chosen == "chunked" else naive_recurrent_kda
     return fn(q, k, v, g, beta, **kwargs)
+
+
+def partitioned(kernel_fn):
+    """`kernel_fn` under shard_map over rows and heads when a multi-device mesh is current (`jax.set_mesh`), with
+    the mesh axes that flax's current logical axis rules give 'batch' and 'kda_heads'; `kernel_fn` itself otherwise.
+    For kernels XLA cannot partition (Pallas); see sharded.py."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel_fn
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel  (the kernels are otherwise plain JAX)
+
+    def mesh_axes(logical):
+        entry = nn.logical_to_mesh_axes((logical,), nn.get_logical_axis_rules())[0]
+        return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+    return shard_map_over_rows_and_heads(kernel_fn, None, mesh_axes("batch"), mesh_axes("kda_heads"))
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
     """Decode-shaped KDA (few tokens per call). See the module docstring for the arguments."""
     chosen = resolve(implementation, "decode", q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
     if chosen == "pallas":
-        return load_pallas().fused_recurrent_kda(q, k, v, g, beta, **kwargs)
+        return partitioned(load_pallas().fused_recurrent_kda)(q, k, v, g, beta, **kwargs)
     fn = chunked_kda if chosen == "chunked" else naive_recurrent_kda
     return fn(q, k, v, g, beta, **kwargs)
 
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda", "chunked_kda", "resolve", "KERNEL_CHOICES"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda", "chunked_kda", "recurrent_kda_checkpoints", "resolve",
+           "KERNEL_CHOICES"]
