@@ -40,9 +40,13 @@ TOLERANCE = 1e-4
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
+    parser.add_argument("--precision", default="highest", choices=("default", "high", "highest"),
+                        help="jax_default_matmul_precision: 'default' lets the GPU use TF32-class fp32 matmuls, whose "
+                             "rounding changes with the partitioning")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
     args = parser.parse_args()
-    print(f"devices: {jax.devices()} (jax {jax.__version__})", flush=True)
+    jax.config.update("jax_default_matmul_precision", args.precision)
+    print(f"devices: {jax.devices()} (jax {jax.__version__}), matmul precision {args.precision}", flush=True)
     rng = np.random.default_rng(0)
     report, ok = [], True
     for model_name in args.models.split(","):
