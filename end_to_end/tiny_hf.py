@@ -97,6 +97,12 @@ def original_state_dict(native: Mapping[str, np.ndarray], dense_prefix: str = "m
     return out
 
 
+# transformers-native config key -> the name the moonshotai release (and KimiLinearConfig.to_dict()) uses.
+ORIGINAL_KEY_NAMES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+                      "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
+                      "n_group": "num_expert_group", "max_position_embeddings": "model_max_length"}
+
+
 def original_config_json(native_json: Mapping[str, Any]) -> dict[str, Any]:
     """The moonshotai release schema of a transformers config dict (`KimiLinearConfig.to_dict()`)."""
     cfg = dict(native_json)
@@ -109,10 +115,7 @@ def original_config_json(native_json: Mapping[str, Any]) -> dict[str, Any]:
         "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim"),
     }
     cfg["first_k_dense_replace"] = mlp_types.index("sparse") if "sparse" in mlp_types else len(mlp_types)
-    renames = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
-               "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
-               "n_group": "num_expert_group", "max_position_embeddings": "model_max_length"}
-    for native_key, original_key in renames.items():
+    for native_key, original_key in ORIGINAL_KEY_NAMES.items():
         if native_key in cfg:
             cfg[original_key] = cfg.pop(native_key)
     cfg.update(mla_use_nope=True, moe_layer_freq=1, moe_router_activation_func="sigmoid", use_grouped_topk=True)
@@ -122,10 +125,7 @@ def original_config_json(native_json: Mapping[str, Any]) -> dict[str, Any]:
 def native_config_json(config) -> dict[str, Any]:
     """The transformers schema with its native key names (layer_types, num_local_experts, n_group, ...)."""
     cfg = config.to_dict()
-    renames = {"num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
-               "num_shared_experts": "n_shared_experts", "moe_renormalize": "norm_topk_prob",
-               "num_expert_group": "n_group", "model_max_length": "max_position_embeddings"}
-    for saved_key, native_key in renames.items():
+    for native_key, saved_key in ORIGINAL_KEY_NAMES.items():
         if saved_key in cfg:
             cfg[native_key] = cfg.pop(saved_key)
     return cfg

@@ -79,6 +79,11 @@ def apply_chunks(config, params, chunks, modes):
     return outputs, cache
 
 
+def assert_same_cache(cache, expected):
+    for name in ("conv_state", "recurrent_state"):
+        np.testing.assert_allclose(cache[name], expected[name], atol=TOL, rtol=TOL)
+
+
 def random_x(seq_len, batch=2, seed=0):
     return np.random.default_rng(seed).standard_normal((batch, seq_len, HIDDEN)).astype(np.float32)
 
@@ -106,8 +111,7 @@ def test_prefill_then_decode_equals_prefill(decode_steps):
     chunks = [x[:, :split]] + [x[:, t:t + 1] for t in range(split, 40)]
     outputs, cache = apply_chunks(config, params, chunks, ["prefill"] + ["autoregressive"] * decode_steps)
     np.testing.assert_allclose(np.concatenate(outputs[1:], axis=1), full[:, split:], atol=TOL, rtol=TOL)
-    for name in ("conv_state", "recurrent_state"):
-        np.testing.assert_allclose(cache[name], full_cache[name], atol=TOL, rtol=TOL)
+    assert_same_cache(cache, full_cache)
 
 
 def test_two_prefill_chunks_equal_one_prefill():
@@ -118,8 +122,7 @@ def test_two_prefill_chunks_equal_one_prefill():
     (full,), full_cache = apply_chunks(config, params, [x], ["prefill"])
     outputs, cache = apply_chunks(config, params, [x[:, :37], x[:, 37:]], ["prefill", "prefill"])
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), full, atol=TOL, rtol=TOL)
-    for name in ("conv_state", "recurrent_state"):
-        np.testing.assert_allclose(cache[name], full_cache[name], atol=TOL, rtol=TOL)
+    assert_same_cache(cache, full_cache)
 
 
 def test_rows_are_independent_and_left_padding_is_inert():
