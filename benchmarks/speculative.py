@@ -83,8 +83,8 @@ def main() -> None:
           f"prompt {args.prompt_len} source-code tokens, {args.new_tokens} new tokens, greedy")
 
     plain, plain_tps = timed(engine, lambda: engine.generate(prompts, args.new_tokens), args.repeats)
-    print(f"| drafter | k | tokens/s | vs plain | acceptance | tokens / verify step |")
-    print(f"|---|---|---|---|---|---|")
+    print("| drafter | k | tokens/s | vs plain | acceptance | tokens / verify step |")
+    print("|---|---|---|---|---|---|")
     print(f"| plain | - | {plain_tps:.1f} | 1.00 | - | 1.00 |")
     for k in args.draft_tokens:
         out, tps = timed(engine, lambda: engine.generate(prompts, args.new_tokens, speculative="ngram",

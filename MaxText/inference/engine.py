@@ -258,14 +258,14 @@ class Engine:
             raise ValueError(f"params do not match the config: missing {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                              f"{' ...' if len(unexpected) > 8 else ''}")
-        for path, spec in want.items():
-            if tuple(np.shape(got[path])) != tuple(spec.shape):
+        for path, expected_leaf in want.items():
+            if tuple(np.shape(got[path])) != tuple(expected_leaf.shape):
                 raise ValueError(f"param {path} has shape {tuple(np.shape(got[path]))}; the config implies "
-                                 f"{tuple(spec.shape)}")
+                                 f"{tuple(expected_leaf.shape)}")
         # jax.Arrays keep their placement (a sharded restore); host arrays stay on the host until device_put shards
         # them, so no device ever holds a whole large param.
-        cast = {path: got[path].astype(spec.dtype) if isinstance(got[path], jax.Array)
-                else np.asarray(got[path], dtype=spec.dtype) for path, spec in want.items()}
+        cast = {path: got[path].astype(expected_leaf.dtype) if isinstance(got[path], jax.Array)
+                else np.asarray(got[path], dtype=expected_leaf.dtype) for path, expected_leaf in want.items()}
         return flax.traverse_util.unflatten_dict(cast, sep="/")
 
     def _abstract_cache(self):
