@@ -197,3 +197,80 @@ def test_packed_training_row_equals_documents_alone():
         alone = model.apply({"params": params}, jnp.asarray(x[:, start:start + length]), model_mode="train")
         np.testing.assert_allclose(np.asarray(packed)[:, start:start + length], alone, atol=TOL, rtol=TOL)
         start += length
+
+
+@pytest.fixture
+def interpreted_pallas(monkeypatch):
+    """kda_kernel=pallas resolves on CPU and runs the Pallas kernels in the interpreter (interpret=True). Returns a
+    Counter of the kernel entry points called (once per trace under jit)."""
+    import collections
+    import types
+
+    from MaxText.kernels import kda as kda_kernels
+    from MaxText.kernels.kda import pallas_ops
+
+    calls = collections.Counter()
+
+    def interpreted(name):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return getattr(pallas_ops, name)(*args, interpret=True, **kwargs)
+        return run
+
+    names = ("chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints")
+    monkeypatch.setattr(kda_kernels, "pallas_unavailable_reason", lambda *args: None)
+    monkeypatch.setattr(kda_kernels, "load_pallas", lambda: types.SimpleNamespace(**{n: interpreted(n) for n in names}))
+    return calls
+
+
+def _prefill_cache(config, params, x):
+    model = KimiDeltaAttention(config)
+    cache = model.init(jax.random.key(0), jnp.asarray(x), model_mode="prefill")["cache"]
+    return model.apply({"params": params, "cache": cache}, jnp.asarray(x), model_mode="prefill", mutable=["cache"])[1][
+        "cache"]
+
+
+def test_autoregressive_pallas_runs_the_packed_decode_kernel(interpreted_pallas):
+    """kda_kernel=pallas: prefill, then 8 one-token steps on the packed in-place kernel (cache donated) == naive."""
+    _, layer = hf_layer()
+    x = random_x(20, seed=7)
+    steps = []
+    for kernel in ("naive", "pallas"):
+        config = our_config(kda_kernel=kernel)
+        params = our_params(layer, config)
+        model = KimiDeltaAttention(config)
+        cache = _prefill_cache(our_config(kda_kernel="naive"), params, x[:, :12])
+        step = jax.jit(lambda cache, token, model=model, params=params: model.apply(
+            {"params": params, "cache": cache}, token, model_mode="autoregressive", mutable=["cache"]),
+            donate_argnums=0)
+        outputs = []
+        for t in range(12, 20):
+            out, mutated = step(cache, jnp.asarray(x[:, t:t + 1]))
+            cache = mutated["cache"]
+            outputs.append(np.asarray(out))
+        steps.append((np.concatenate(outputs, axis=1), jax.tree.map(np.asarray, cache)))
+    assert interpreted_pallas["packed_decode_kda"] >= 1 and interpreted_pallas["fused_recurrent_kda"] == 0
+    (want, want_cache), (got, got_cache) = steps
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    assert_same_cache(got_cache, want_cache)
+
+
+def test_verify_pallas_runs_the_verify_kernel(interpreted_pallas):
+    """model_mode='verify' with kda_kernel=pallas (the Pallas verify kernel) == the scan (kda_kernel=naive)."""
+    _, layer = hf_layer()
+    x = random_x(14, seed=8)
+    results = []
+    for kernel in ("naive", "pallas"):
+        config = our_config(kda_kernel=kernel)
+        params = our_params(layer, config)
+        cache = _prefill_cache(our_config(kda_kernel="naive"), params, x[:, :10])
+        verify = jax.jit(lambda cache, x, config=config, params=params: KimiDeltaAttention(config).apply(
+            {"params": params, "cache": cache}, x, model_mode="verify", mutable=["cache"]))
+        out, mutated = verify(cache, jnp.asarray(x[:, 10:]))
+        results.append((np.asarray(out), np.asarray(mutated["cache"]["verify_states"]),
+                        np.asarray(mutated["cache"]["recurrent_state"]), np.asarray(cache["recurrent_state"])))
+    assert interpreted_pallas["recurrent_kda_checkpoints"] >= 1
+    (want, want_states, _, _), (got, got_states, committed_after, committed_before) = results
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(got_states, want_states, atol=TOL, rtol=TOL)
+    np.testing.assert_array_equal(committed_after, committed_before)  # verify does not move the committed state

@@ -3,8 +3,10 @@
 Covered in interpret mode: the chunked prefill kernels (pallas_chunk.intra + recurrence, via pallas_ops.chunk_kda:
 fp32 and bf16, l2norm and gate in kernel, initial / final state, T not a multiple of 64, cu_seqlens packs), the
 packed in-place decode kernel (pallas_decode, via pallas_ops.packed_decode_kda and fused_recurrent_kda) with
-padding rows. Interpret mode checks the kernels' semantics; the Triton compilation and the GPU numerics (bf16 tensor
-cores, 3-pass tf32) are checked by benchmarks/kda_kernels.py on the GPU.
+padding rows, the speculative verify kernel (pallas_verify, via pallas_ops.recurrent_kda_checkpoints) with fp32 and
+bf16 checkpoints, and both serving kernels under shard_map on a 4-device CPU mesh (a subprocess). Interpret mode
+checks the kernels' semantics; the Triton compilation and the GPU numerics (bf16 tensor cores, 3-pass tf32) are
+checked by benchmarks/kda_kernels.py and benchmarks/kda_verify.py on the GPU.
 """
 
 import logging
@@ -17,6 +19,7 @@ from MaxText.kernels import kda as kda_kernels
 from MaxText.kernels.kda import pallas_ops
 from MaxText.kernels.kda.naive import naive_recurrent_kda
 from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference
+from MaxText.kernels.kda.verify import recurrent_kda_checkpoints
 from tests.kda_inputs import random_kda_inputs
 
 TOL = 1e-5
@@ -141,3 +144,100 @@ def test_packed_decode_rejects_bad_shapes():
     x = _decode_inputs(np.random.default_rng(6), 2, 2, 32, 32, 3)
     with pytest.raises(ValueError, match="slot_indices must have shape"):
         pallas_ops.packed_decode_kda(**x, slot_indices=jnp.zeros((3,), jnp.int32), num_heads=2, head_dim=32)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 5])
+def test_verify_interpret_matches_scan(seq_len):
+    """The Pallas verify kernel == verify.recurrent_kda_checkpoints (o and every token's post-state), for fp32 and
+    bf16 checkpoints; the committed state is only read."""
+    x = random_kda_inputs(np.random.default_rng(10 + seq_len), 2, seq_len, 2, 32, 32, raw_gate=True)
+    committed = np.array(x["initial_state"], copy=True)
+    for checkpoint_dtype in (jnp.float32, jnp.bfloat16):
+        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, checkpoint_dtype=checkpoint_dtype)
+        o_ref, ckpt_ref = recurrent_kda_checkpoints(**x, **kw)
+        o, ckpt = pallas_ops.recurrent_kda_checkpoints(**x, **kw, interpret=True, block_v=16)
+        assert o.shape == (2, seq_len, 2, 32) and o.dtype == jnp.float32
+        assert ckpt.shape == (2, seq_len, 2, 32, 32) and ckpt.dtype == checkpoint_dtype
+        assert_close(o, o_ref)
+        if checkpoint_dtype == jnp.float32:
+            assert_close(ckpt, ckpt_ref)
+        else:  # both round (nearly) the same fp32 state to bf16: at most one bf16 ulp apart
+            assert_close(ckpt, ckpt_ref, tol=2.0 ** -7)
+    assert np.array_equal(x["initial_state"], committed)
+
+
+def test_packed_decode_out_dtype():
+    """bf16 inputs with out_dtype=float32: the fp32 output the benchmark compares against the reference."""
+    H, K, V, S = 2, 32, 32, 2
+    x = _decode_inputs(np.random.default_rng(7), 2, H, K, V, S)
+    x["mixed_qkv"] = x["mixed_qkv"].astype(jnp.bfloat16)
+    slots = jnp.asarray([1, 0], jnp.int32)
+    o_ref, _ = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K, out_dtype=jnp.float32)
+    o, _ = pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, out_dtype=jnp.float32,
+                                        interpret=True)
+    assert o.dtype == o_ref.dtype == jnp.float32
+    assert_close(o, o_ref)
+
+
+def test_packed_decode_and_verify_dispatch_to_plain_jax_off_gpu():
+    H, K, V, S = 2, 32, 32, 2
+    x = _decode_inputs(np.random.default_rng(8), 2, H, K, V, S)
+    slots = jnp.asarray([1, 0], jnp.int32)
+    got = kda_kernels.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, implementation="auto")
+    want = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    v = random_kda_inputs(np.random.default_rng(9), 1, 2, H, K, V)
+    got = kda_kernels.recurrent_kda_checkpoints(**v, implementation="chunked")
+    for a, b in zip(got, recurrent_kda_checkpoints(**v)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(RuntimeError, match="kda_kernel=pallas was requested for decode"):
+        kda_kernels.recurrent_kda_checkpoints(**v, implementation="pallas")
+
+
+def sharded_serving_kernels_report() -> dict:
+    """Run in a 4-device subprocess: the packed decode and verify Pallas kernels (interpreted) under `partitioned`
+    on a data=2 x tensor=2 mesh vs their unsharded plain-JAX versions. Returns max abs differences."""
+    import functools
+
+    import flax.linen as nn
+    import jax
+
+    from MaxText.kernels.kda.packed_decode import shard_map_packed_decode
+    from MaxText.kernels.kda.verify import shard_map_verify
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    rules = (("batch", "data"), ("cache_batch", "data"), ("kda_heads", "tensor"))
+    H, K, V, B = 2, 32, 32, 4
+    x = _decode_inputs(np.random.default_rng(11), B, H, K, V, B)
+    slots = jnp.asarray([1, -1, 3, 2], jnp.int32)  # each row's slot in its own row shard; a padding row
+    o_ref, pool_ref = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K)
+    v = random_kda_inputs(np.random.default_rng(12), B, 3, H, K, V, raw_gate=True)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    o_v_ref, ckpt_ref = recurrent_kda_checkpoints(**v, **kw)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        decode = kda_kernels.partitioned(functools.partial(pallas_ops.packed_decode_kda, interpret=True),
+                                         shard_map_packed_decode, rows="cache_batch")
+        o, pool = jax.jit(lambda x, s: decode(**x, slot_indices=s, num_heads=H, head_dim=K))(x, slots)
+        verify = kda_kernels.partitioned(functools.partial(pallas_ops.recurrent_kda_checkpoints, interpret=True),
+                                         shard_map_verify)
+        o_v, ckpt = jax.jit(lambda v: verify(**v, **kw))(v)
+    diff = lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max())  # noqa: E731
+    return {"decode_o": diff(o, o_ref), "decode_pool": diff(pool, pool_ref), "verify_o": diff(o_v, o_v_ref),
+            "verify_checkpoints": diff(ckpt, ckpt_ref), "pool_spec": list(pool.sharding.spec)}
+
+
+def test_packed_decode_and_verify_under_shard_map():
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    code = "import json; from tests.test_pallas_kda import sharded_serving_kernels_report as r; print(json.dumps(r()))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report.pop("pool_spec") == ["data", "tensor"], report  # the pool stays where the cache lies
+    assert max(report.values()) <= 1e-5, report

@@ -9,7 +9,9 @@ Reads top to bottom like the math (DESIGN.md §3; reference: HF `KimiLinearDelta
 
 Param names follow the HF checkpoint (q_proj, q_conv1d, f_a_proj, A_log, dt_bias, o_norm, ...). Decode state lives in
 the `cache` collection: `conv_state` [B, W-1, 3*H*K] (the last W-1 pre-convolution q|k|v inputs, activation dtype)
-and `recurrent_state` [B, H, K, V] float32. Each batch row is an independent decode slot.
+and `recurrent_state` [B, H, K, V] float32. Each batch row is an independent decode slot. When `kda_kernel` resolves
+to the Pallas decode kernel, model_mode='autoregressive' (one token) runs the packed decode kernel: it takes the conv
+output, the raw gate input and the beta logit, and updates `recurrent_state` in place (donate the cache to the step).
 
 model_mode='verify' (speculative decoding) scores T draft tokens from the committed state without changing it, and
 writes per-token checkpoints: `verify_inputs` [B, W-1+T, 3*H*K] (the conv window followed by the drafts' pre-conv
@@ -150,22 +152,37 @@ class KimiDeltaAttention(nn.Module):
         # zeroed (left-)padding already leaves the zero state untouched.
         train_segments = decoder_segment_ids if model_mode == "train" else None
         conv_out, new_window = causal_conv(qkv_pre, window, conv_kernel, train_segments)
-        qkv = jax.nn.silu(conv_out).astype(dtype).reshape(batch, seq_len, 3, num_heads, head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, K]
+        mixed_qkv = jax.nn.silu(conv_out).astype(dtype)  # [B, T, 3*H*K]: q | k | v, heads in order within each
 
-        # Forget gate input (the gate itself is computed in the kernel) and the delta-rule step size.
+        # Forget gate input (the gate itself is computed in the kernel) and the delta-rule step size's logit.
         f_a = self._dense(head_dim, ("embed", None), "f_a_proj")(x)
-        g_raw = self._dense(qkv_dim, (None, "kda_qkv"), "f_b_proj")(f_a).reshape(batch, seq_len, num_heads, head_dim)
+        g_raw = self._dense(qkv_dim, (None, "kda_qkv"), "f_b_proj")(f_a)  # [B, T, H*K]
         A_log = self._param("A_log", a_log_init, (num_heads,), ("kda_heads",))
         dt_bias = self._param("dt_bias", dt_bias_init, (qkv_dim,), ("kda_qkv",))
-        beta = jax.nn.sigmoid(self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x).astype(jnp.float32))
+        beta_logit = self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x)  # [B, T, H]
+
+        if (model_mode == "autoregressive" and seq_len == 1
+                and kda_kernels.resolve(cfg.kda_kernel, "decode", head_dim, head_dim) == "pallas"):
+            # Serving decode: the packed kernel takes the conv output, raw gate and beta logit as they are and updates
+            # the cache's state in place (the pool is the cache itself, row b = slot b; donate the cache to the jitted
+            # step for a true in-place update).
+            o, final_state = kda_kernels.packed_decode_kda(
+                mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias, recurrent_state.value,
+                jnp.arange(batch, dtype=jnp.int32), num_heads=num_heads, head_dim=head_dim,
+                implementation=cfg.kda_kernel)  # o: [B, H, V]
+            return self._update_cache_and_output(x, o[:, None], conv_state, new_window, recurrent_state, final_state)
+
+        qkv = mixed_qkv.reshape(batch, seq_len, 3, num_heads, head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, K]
+        g_raw = g_raw.reshape(batch, seq_len, num_heads, head_dim)
+        beta = jax.nn.sigmoid(beta_logit.astype(jnp.float32))
         # The kernels work per (row, head): keep heads split over the tensor axis (no gather of the state).
         q, k, v, g_raw = (nn.with_logical_constraint(t, HEAD_ACTIVATION_AXES) for t in (q, k, v, g_raw))
         beta = nn.with_logical_constraint(beta, HEAD_ACTIVATION_AXES[:3])
 
         if model_mode == "verify":
             o, checkpoints = kda_kernels.recurrent_kda_checkpoints(
-                q, k, v, g_raw, beta, initial_state=recurrent_state.value,
+                q, k, v, g_raw, beta, implementation=cfg.kda_kernel, initial_state=recurrent_state.value,
                 checkpoint_dtype=jnp.dtype(cfg.verify_checkpoint_dtype), use_qk_l2norm_in_kernel=True,
                 use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)  # [B, T, H, V], [B, T, H, K, V]
             if not self.is_initializing():
@@ -180,6 +197,10 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=recurrent_state is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size,
             **({} if train_segments is None else {"segment_ids": train_segments}))  # o: [B, T, H, V]
+        return self._update_cache_and_output(x, o, conv_state, new_window, recurrent_state, final_state)
+
+    def _update_cache_and_output(self, x, o, conv_state, new_window, recurrent_state, final_state):
+        """Stores the new conv window and recurrent state (prefill / autoregressive), then `_output(x, o)`."""
         if recurrent_state is not None and not self.is_initializing():
             conv_state.value = nn.with_logical_constraint(new_window, CACHE_LOGICAL_AXES["conv_state"])
             recurrent_state.value = nn.with_logical_constraint(final_state, CACHE_LOGICAL_AXES["recurrent_state"])

@@ -4,6 +4,10 @@
                                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                cu_seqlens=None, chunk_size=64, implementation="auto")
     o, final_state = fused_recurrent_kda(...same arguments...)
+    o, new_pool = packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=H, head_dim=K,
+                                implementation="auto")          # serving decode, pool updated in place (pallas)
+    o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, checkpoint_dtype=...,
+                                               implementation="auto")  # speculative verify
 
 Implementations (config key `kda_kernel`):
   naive   -- token-by-token fp32 `lax.scan` (naive.py): the oracle.
@@ -11,6 +15,9 @@ Implementations (config key `kda_kernel`):
   pallas  -- GPU kernels (pallas_*.py), only where they import and support the platform and shape.
   auto    -- pallas where supported, else chunked for prefill (`chunk_kda`) and naive for decode
              (`fused_recurrent_kda`). The choice is logged once per distinct outcome.
+`packed_decode_kda` and `recurrent_kda_checkpoints` resolve like decode: the Pallas kernel, or their plain-JAX versions
+(`packed_decode.packed_decode_kda_reference`, the `verify.py` scan) for every other implementation.
+Under a multi-device mesh the Pallas kernels run under shard_map (`partitioned`).
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import logging
 
 import jax
 
+from MaxText.kernels.kda import verify
 from MaxText.kernels.kda.chunked import chunked_kda
 from MaxText.kernels.kda.naive import naive_recurrent_kda
+from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference, shard_map_packed_decode
 from MaxText.kernels.kda.sharded import shard_map_over_rows_and_heads
-from MaxText.kernels.kda.verify import recurrent_kda_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +88,11 @@ def chunk_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
     return fn(q, k, v, g, beta, **kwargs)
 
 
-def partitioned(kernel_fn):
+def partitioned(kernel_fn, shard_map_fn=shard_map_over_rows_and_heads, rows: str = "batch"):
     """`kernel_fn` under shard_map over rows and heads when a multi-device mesh is current (`jax.set_mesh`), with
-    the mesh axes that flax's current logical axis rules give 'batch' and 'kda_heads'; `kernel_fn` itself otherwise.
-    For kernels XLA cannot partition (Pallas); see sharded.py."""
+    the mesh axes that flax's current logical axis rules give `rows` and 'kda_heads'; `kernel_fn` itself otherwise.
+    For kernels XLA cannot partition (Pallas). `shard_map_fn(kernel_fn, mesh, row_axes, head_axes)` wraps a kernel
+    of one signature: sharded.py's for the fla-style kernels, packed_decode.py's and verify.py's for theirs."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return kernel_fn
@@ -93,7 +102,7 @@ def partitioned(kernel_fn):
         entry = nn.logical_to_mesh_axes((logical,), nn.get_logical_axis_rules())[0]
         return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
-    return shard_map_over_rows_and_heads(kernel_fn, None, mesh_axes("batch"), mesh_axes("kda_heads"))
+    return shard_map_fn(kernel_fn, None, mesh_axes(rows), mesh_axes("kda_heads"))
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
@@ -105,5 +114,30 @@ def fused_recurrent_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwa
     return fn(q, k, v, g, beta, **kwargs)
 
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda", "chunked_kda", "recurrent_kda_checkpoints", "resolve",
-           "KERNEL_CHOICES"]
+def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
+                  implementation: str = "auto", **kwargs):
+    """Packed single-token decode over a state pool (arguments and results: packed_decode.py). On the Pallas kernel
+    the pool is updated in place when it is donated; otherwise the plain-JAX reference computes the same function.
+
+    Under a mesh, rows shard over the axes of 'cache_batch' (not 'batch'): the pool is the decode cache, so the
+    kernel sees exactly the cache's shards and updates them where they lie; heads over 'kda_heads'.
+    """
+    value_dim = state_pool.shape[-1]
+    if resolve(implementation, "decode", head_dim, value_dim) == "pallas":
+        return partitioned(load_pallas().packed_decode_kda, shard_map_packed_decode, rows="cache_batch")(
+            mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads, head_dim=head_dim,
+            **kwargs)
+    return packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
+                                       num_heads=num_heads, head_dim=head_dim, **kwargs)
+
+
+def recurrent_kda_checkpoints(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
+    """Speculative verify: T draft tokens from `initial_state`, every token's post-state kept (arguments and results:
+    verify.py). The Pallas kernel where `implementation` resolves to it for decode, else the fp32 scan."""
+    if resolve(implementation, "decode", q.shape[-1], v.shape[-1]) == "pallas":
+        return partitioned(load_pallas().recurrent_kda_checkpoints, verify.shard_map_verify)(q, k, v, g, beta, **kwargs)
+    return verify.recurrent_kda_checkpoints(q, k, v, g, beta, **kwargs)
+
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints", "naive_recurrent_kda",
+           "chunked_kda", "resolve", "KERNEL_CHOICES"]

@@ -1,7 +1,7 @@
 """Packed single-token KDA decode over a state pool (seed 004), in plain JAX: the oracle and the CPU fallback.
 
     o, new_pool = packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                              num_heads=H, head_dim=K, scale=None)
+                                              num_heads=H, head_dim=K, scale=None, out_dtype=None)
 
 Inputs (one decode token per row; B rows):
   mixed_qkv:    [B, 2*H*K + H*V]  the short-conv output (after silu), q then k then v, any float dtype;
@@ -11,14 +11,21 @@ Inputs (one decode token per row; B rows):
   A_log:        [H]               dt_bias: [H*K]
   state_pool:   [S, H, K, V]      float32 recurrent states; row `slot_indices[i]` belongs to batch row i
   slot_indices: [B] int32         -1 marks a padding row: its output is zero and no pool row is touched
-Returns o [B, H, V] in mixed_qkv's dtype and the pool with the B rows updated (others bit-identical).
+Returns o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype) and the pool with the B rows updated (others
+bit-identical).
 The Pallas kernel (`pallas_ops.packed_decode_kda`) has this exact signature and updates the pool in place.
+
+    fn = shard_map_packed_decode(kernel_fn, mesh, row_axes=("data",), head_axes=("tensor",))
+runs a packed-decode kernel per (rows, heads) shard (for kernels XLA cannot partition): see its docstring.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from MaxText.kernels.kda.common import kda_gate, l2norm
 from MaxText.kernels.kda.naive import kda_step
@@ -66,8 +73,9 @@ def split_packed(mixed_qkv, num_heads: int, head_dim: int, value_dim: int):
 
 
 def packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int,
-                                head_dim: int, scale: float | None = None):
-    """Pure-JAX packed decode (see the module docstring); fp32 math on `naive.kda_step`."""
+                                head_dim: int, scale: float | None = None, out_dtype=None):
+    """Pure-JAX packed decode (see the module docstring); fp32 math on `naive.kda_step`. o is in `out_dtype`
+    (default: mixed_qkv's dtype)."""
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     H, K, V = num_heads, head_dim, layout.value_dim
     scale = K ** -0.5 if scale is None else scale
@@ -80,8 +88,48 @@ def packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slo
     safe = jnp.where(valid, slots, 0)
     state = state_pool[safe]  # [B, H, K, V]
     new_state, o = kda_step(state, q, k, v.astype(jnp.float32), g, beta)
-    o = jnp.where(valid[:, None, None], o, 0.0).astype(mixed_qkv.dtype)
+    o = jnp.where(valid[:, None, None], o, 0.0).astype(mixed_qkv.dtype if out_dtype is None else out_dtype)
     # Padding rows scatter to an out-of-range index, which mode="drop" discards: the pool row stays untouched.
     target = jnp.where(valid, slots, state_pool.shape[0])
     new_pool = state_pool.at[target].set(new_state, mode="drop")
     return o, new_pool
+
+
+def shard_map_packed_decode(kernel_fn: Callable, mesh, row_axes: Sequence[str], head_axes: Sequence[str]) -> Callable:
+    """`kernel_fn` (the packed-decode signature above) run under `jax.shard_map`, each device on its own batch rows
+    and pool rows (over `row_axes`) and its own heads (over `head_axes`), with no communication.
+
+    The packed row [q heads | k heads | v heads] does not split over heads as one contiguous axis, so it travels as
+    qk [B, 2, H, K] and v [B, H, V] and each shard re-packs its own heads (a small activation copy; the state pool is
+    passed through untouched, so it stays in place). `slot_indices` are global pool rows; each shard subtracts its
+    first pool row. Row i's slot must lie in row i's own shard of the pool (as for the KDA block's cache: pool row i
+    is batch row i); a slot held by another shard is treated as padding there (zero output, no state written).
+    B and S must be multiples of the row shards, H of the head shards.
+    """
+    rows = tuple(row_axes) or None
+    heads = tuple(head_axes) or None
+    in_specs = (P(rows, None, heads, None), P(rows, heads, None), P(rows, heads, None), P(rows, heads), P(heads),
+                P(heads), P(rows, heads, None, None), P(rows))
+    out_specs = (P(rows, heads, None), P(rows, heads, None, None))
+
+    def sharded(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
+                **kwargs):
+        layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
+        batch, H, K, V = mixed_qkv.shape[0], num_heads, head_dim, layout.value_dim
+        qk = mixed_qkv[:, :2 * H * K].reshape(batch, 2, H, K)
+        v = mixed_qkv[:, 2 * H * K:].reshape(batch, H, V)
+
+        def local(qk, v, a, b, A_log, dt_bias, pool, slots):
+            local_batch, local_heads = v.shape[:2]
+            mixed = jnp.concatenate([qk.reshape(local_batch, -1), v.reshape(local_batch, -1)], axis=-1)
+            first_row = jax.lax.axis_index(rows) * pool.shape[0] if rows else 0
+            slots = slots - first_row
+            slots = jnp.where((slots >= 0) & (slots < pool.shape[0]), slots, -1)
+            return kernel_fn(mixed, a.reshape(local_batch, -1), b, A_log, dt_bias, pool, slots,
+                             num_heads=local_heads, head_dim=K, **kwargs)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+            qk, v, a.reshape(batch, H, K), b, A_log.reshape(H), dt_bias.reshape(H * K), state_pool,
+            slot_indices.astype(jnp.int32))
+
+    return sharded

@@ -7,6 +7,7 @@ l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of t
 and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
 its output and skips the state store (its load reads row 0 and is discarded).
 
+The per-token math (`token_factors`, `delta_rule_step`) is shared with the verify kernel (pallas_verify.py).
 The kernel is memory bound: per row and head it moves K*V*4 bytes in and out. It runs under
 `interpret=True` on CPU (the tests do).
 """
@@ -23,50 +24,69 @@ from jax.experimental.pallas import triton as pltriton
 from MaxText.kernels.kda.common import L2NORM_EPS, SOFTPLUS_THRESHOLD
 
 
-def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
-    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    H, K, V = num_heads, head_k, head_v
-    slot = slot_ref[row]
-    valid = slot >= 0
-    safe = jnp.where(valid, slot, 0)
+def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate_in_kernel, l2norm_in_kernel,
+                  beta_logit):
+    """One token of one head, inside a kernel: returns float32 (q [K] l2-normed if asked and scaled, k [K],
+    log-decay g [K], beta scalar).
 
+    q, k, g: [K] loaded values (g is the raw gate input when `gate_in_kernel`: g = -exp(A_log[h]) *
+    softplus(g + dt_bias[h]), read from `alog_ref` [H] / `dtb_ref` [H*K]); beta: a scalar, a logit when
+    `beta_logit` (then sigmoid(beta)).
+    """
     f32 = jnp.float32
-    q = qkv_ref[row, pl.ds(head * K, K)].astype(f32)  # [K]
-    k = qkv_ref[row, pl.ds(H * K + head * K, K)].astype(f32)  # [K]
-    v = qkv_ref[row, pl.ds(2 * H * K + head * V + vblk * block_v, block_v)].astype(f32)  # [BV]
+    q, k, g, beta = q.astype(f32), k.astype(f32), g.astype(f32), beta.astype(f32)
     if l2norm_in_kernel:
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
     q = q * scale
-    g = a_ref[row, pl.ds(head * K, K)].astype(f32)  # [K]
     if gate_in_kernel:
-        x = g + dtb_ref[pl.ds(head * K, K)].astype(f32)
+        x = g + dtb_ref[pl.ds(head * head_k, head_k)].astype(f32)
         softplus = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
         g = -jnp.exp(alog_ref[head].astype(f32)) * softplus
-    beta = b_ref[row, head].astype(f32)
     if beta_logit:
         beta = jax.nn.sigmoid(beta)
+    return q, k, g, beta
 
-    state = pool_ref[safe, head, :, pl.ds(vblk * block_v, block_v)]  # [K, BV] fp32
+
+def delta_rule_step(state, q, k, v, g, beta):
+    """One KDA step on a [K, BV] float32 state slice: q, k, g [K], v [BV] float32, beta scalar.
+
+    Returns (new state [K, BV], o [BV]), float32.
+    """
     state = state * jnp.exp(g)[:, None]
     predicted = jnp.sum(state * k[:, None], axis=0)  # [BV]
     delta = beta * (v - predicted)
     state = state + k[:, None] * delta[None, :]
-    o = jnp.sum(state * q[:, None], axis=0)  # [BV]
-    o_ref[row, head, pl.ds(vblk * block_v, block_v)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-    pltriton.store(pool_out_ref.at[safe, head, :, pl.ds(vblk * block_v, block_v)], state,
-                   mask=jnp.broadcast_to(valid, state.shape))
+    return state, jnp.sum(state * q[:, None], axis=0)
+
+
+def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
+    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    H, K = num_heads, head_k
+    slot = slot_ref[row]
+    valid = slot >= 0
+    safe = jnp.where(valid, slot, 0)
+    cols = pl.ds(vblk * block_v, block_v)
+
+    q, k, g, beta = token_factors(
+        qkv_ref[row, pl.ds(head * K, K)], qkv_ref[row, pl.ds(H * K + head * K, K)], a_ref[row, pl.ds(head * K, K)],
+        b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale, gate_in_kernel=gate_in_kernel,
+        l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+    v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
+    state, o = delta_rule_step(pool_ref[safe, head, :, cols], q, k, v, g, beta)  # [K, BV], [BV]
+    o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+    pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                interpret=False):
+                out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
 
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
-    Returns (o [B, H, V] in mixed_qkv's dtype, the updated pool).
+    Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
     batch = mixed_qkv.shape[0]
     H, K = num_heads, head_dim
@@ -79,7 +99,7 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
                                beta_logit=beta_logit)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         grid=(batch, H, V // block_v),
         input_output_aliases={6: 1},
@@ -91,5 +111,5 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "interpret"))
+                                       "beta_logit", "block_v", "num_warps", "out_dtype", "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."

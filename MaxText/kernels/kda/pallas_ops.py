@@ -5,10 +5,12 @@
     o, final_state = fused_recurrent_kda(q, k, v, g, beta, **same kwargs)      # decode:  pallas_decode.py
     o, new_pool = packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                     num_heads=H, head_dim=K, scale=None)        # serving decode (seed 004)
+    o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, **kwargs)  # verify: pallas_verify.py
 
 All are GPU kernels written with the Pallas Triton lowering. Each takes `interpret=False`; with True they run in
 the Pallas interpreter on any backend (the CPU tests use that at small shapes). Semantics are those of
-`naive.naive_recurrent_kda` and `packed_decode.packed_decode_kda_reference`.
+`naive.naive_recurrent_kda`, `packed_decode.packed_decode_kda_reference` and
+`verify.recurrent_kda_checkpoints`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.kda import pallas_chunk, pallas_decode
+from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
 from MaxText.kernels.kda.packed_decode import check_packed_inputs
 
@@ -71,7 +73,7 @@ def _pack_plan(cu_seqlens, seq_len):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None,
-              chunk_size=64, interpret=False, block_v=64, num_warps=8, slab=pallas_chunk.SLAB):
+              chunk_size=64, interpret=False, block_v=64, num_warps=2):
     """fla-style chunked KDA forward on the Pallas kernels; returns (o [B, T, H, V] in q's dtype, final state
     [N, H, K, V] float32 or None). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; bf16 or fp32.
 
@@ -123,7 +125,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
     qg, kg, w, u, aqk, g_last = pallas_chunk.intra(
         qf, kf, vf, gf, bf, A_log if gate_in_kernel else None, dt_bias if gate_in_kernel else None,
-        scale=scale, l2norm=use_qk_l2norm_in_kernel, gate=gate_in_kernel, num_warps=num_warps, slab=slab,
+        scale=scale, l2norm=use_qk_l2norm_in_kernel, gate=gate_in_kernel, num_warps=num_warps,
         interpret=interpret)
     o, final_state = pallas_chunk.recurrence(
         qg, kg, w, u, aqk, g_last, initial_state.astype(jnp.float32), jnp.asarray(offsets, jnp.int32),
@@ -179,14 +181,15 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
-                      scale: float | None = None, interpret: bool = False, block_v: int | None = None, num_warps: int = 4):
+                      scale: float | None = None, out_dtype=None, interpret: bool = False, block_v: int | None = None,
+                      num_warps: int = 4):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
     logit; A_log [H]; dt_bias [H*K]; state_pool [S, H, K, V] float32; slot_indices [B] int32 (-1 = padding row:
     zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
-    Returns (o [B, H, V] in mixed_qkv's dtype, new_pool). The pool is donated when this is called under `jax.jit`
-    with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
+    Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
+    called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
     Reference semantics: `packed_decode.packed_decode_kda_reference`.
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
@@ -197,4 +200,29 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     block_v = min(block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
-                                     num_warps=num_warps, interpret=interpret)
+                                     num_warps=num_warps, out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
+                                     interpret=interpret)
+
+
+def recurrent_kda_checkpoints(q, k, v, g, beta, *, initial_state, checkpoint_dtype=jnp.float32, scale=None,
+                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                              interpret=False, block_v: int | None = None, num_warps: int = 4):
+    """Speculative verify on the Pallas kernel (pallas_verify.py): T draft tokens from `initial_state`, each token's
+    post-state kept. Same arguments and results as `verify.recurrent_kda_checkpoints`: q, k, g [B, T, H, K];
+    v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32 (unchanged). Returns (o [B, T, H, V] in q's
+    dtype, checkpoints [B, T, H, K, V] in `checkpoint_dtype`; the recurrence runs in float32).
+    """
+    jax.eval_shape(functools.partial(prepare_inputs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                     use_gate_in_kernel=use_gate_in_kernel),
+                   q, k, v, g, beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    batch, _, H, K = q.shape
+    V = v.shape[-1]
+    _check_dims(K, V)
+    if block_v is None:  # as for decode: narrow blocks (more programs) for few rows
+        block_v = 32 if batch < 32 else 64
+    A_log = jnp.zeros((H,), jnp.float32) if A_log is None else A_log
+    dt_bias = jnp.zeros((H * K,), jnp.float32) if dt_bias is None else dt_bias
+    return pallas_verify.verify_step(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, scale=K ** -0.5 if scale is None else float(scale),
+        checkpoint_dtype=jnp.dtype(checkpoint_dtype), gate_in_kernel=use_gate_in_kernel,
+        l2norm_in_kernel=use_qk_l2norm_in_kernel, block_v=min(block_v, V), num_warps=num_warps, interpret=interpret)
