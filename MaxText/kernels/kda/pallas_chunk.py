@@ -1,25 +1,29 @@
-"""Pallas (Triton lowering) chunked KDA prefill forward: two kernels, the math of `chunked.py`.
+"""Pallas (Triton lowering) chunked KDA prefill forward: four kernels, the math of `chunked.py`.
 
 Tokens are laid out flat, `[Ttot, H, D]`, every sequence starting on a chunk boundary (the wrapper in
 `pallas_ops.chunk_kda` pads each sequence to a multiple of C = 64 tokens), so no chunk straddles two sequences.
+Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, decreasing):
+    A_qk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)  (j <= i),   A_kk[i, j] = same with k_i  (j < i).
 
-1. `intra` -- one program per (chunk, head), fully parallel. In registers, per 16-token sub-chunk and 32-channel
-   slab: optional l2norm of q and k, optional gate `-exp(A_log) * softplus(g + dt_bias)`, the chunk-local
-   cumulative log-decay G (cumsum), and the decayed scores
-       A_qk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)  (j <= i),   A_kk[i, j] = same with k_i  (j < i).
-   Pairs inside a sub-chunk use exact per-channel decays (a [16, 16, 32] block of exponentials); pairs across
-   sub-chunks I > J factor through the end of sub-chunk J: (q_i e^{G_i - G_endJ}) . (k_j e^{G_endJ - G_j}),
-   both exponents <= 0, so nothing overflows for any gate. It then inverts T = (I + diag(beta) A_kk)^-1 blockwise
-   (forward substitution on the 16x16 diagonal blocks, then the off-diagonal blocks) and writes, in bf16,
+1. `prepare` -- per (chunk, head): l2norm of q and k (optional), the gate `-exp(A_log) * softplus(g + dt_bias)`
+   (optional) and G = cumsum over the chunk. Writes qn, kn (input dtype) and G (fp32), token-major.
+2. `diag` -- token-parallel, per (token t, block of heads): the 16x16 diagonal blocks of A_qk / A_kk (pairs inside
+   one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
+   the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
+3. `inter` -- per (chunk, head): pairs across sub-chunks I > J as one tensor-core product each, factored through
+   the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate); then
+   T = (I + diag(beta) A_kk)^-1 blockwise (forward substitution on the diagonal blocks, reading their rows from
+   memory, then the off-diagonal blocks), and writes
        w = T (beta k e^G),  u = T (beta v),  qg = scale q e^G,  kg = k e^{G_last - G},  A_qk (scaled q),
-   plus G_last (fp32) per chunk.
-2. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
+   in the input dtype, plus G_last (fp32) per chunk.
+4. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
    chunks, state S [K, BV] fp32 in registers:
        v_new = u - w S;  o = qg S + A_qk v_new;  S = e^{G_last} S + kg^T v_new
    (with bf16 inputs S enters the tensor-core products as bf16, as in fla-core, accumulating in fp32; with fp32
    inputs every intermediate stays fp32 and the products use 3-pass tf32, about fp32 accuracy).
 
-Both kernels run under `interpret=True` on CPU (the tests do, at small shapes).
+All run under `interpret=True` on CPU (the tests do, at small shapes). Measured split and the open gap:
+benchmarks/RESULTS.md (the `inter` kernel's 16-row products and substitution dominate).
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from MaxText.kernels.kda.common import L2NORM_EPS, SOFTPLUS_THRESHOLD
 CHUNK = 64  # C: tokens per chunk
 SUB = 16  # tokens per sub-chunk (exact per-channel decays inside)
 NSUB = CHUNK // SUB
-SLAB = 32  # key channels per register slab in `intra`
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -50,169 +53,177 @@ def _dot(a, b, *, trans_b=False, precise=True, interpret=False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def _row(x, r):
-    """Row r (traced) of a [n, m] array as a [m] vector, by a masked sum (no register indexing in Triton)."""
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0)
+def _params(num_warps, num_stages=1):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower-triangular [n, n] fp32 `a`, by forward substitution over the rows."""
-    n = a.shape[0]
-    rows = jnp.arange(n, dtype=jnp.int32)[:, None]
-    eye = (rows == jnp.arange(n, dtype=jnp.int32)[None, :]).astype(F32)
+def _prepare_kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, qn_ref, kn_ref, G_ref, *, l2norm, gate):
+    chunk, head = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(chunk * CHUNK, CHUNK)
+    for src, dst in ((q_ref, qn_ref), (k_ref, kn_ref)):
+        x = src[rows, head, :].astype(F32)  # [C, K]
+        if l2norm:
+            x = x * lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)[:, None]
+        dst[rows, head, :] = x.astype(dst.dtype)
+    g = g_ref[rows, head, :].astype(F32)
+    if gate:
+        x = g + dtb_ref[pl.ds(head, 1), :].astype(F32)
+        g = -jnp.exp(alog_ref[head].astype(F32)) * jnp.where(
+            x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+    G_ref[rows, head, :] = jnp.cumsum(g, axis=0)
 
-    def body(r, x):  # rows < r of x are final; row r becomes e_r - sum_c a[r, c] x[c]
-        a_r = _row(a, r)  # [n]
-        update = jnp.sum(a_r[:, None] * x, axis=0)  # [n]
-        return x - jnp.where(rows == r, update[None, :], 0.0)
 
-    return lax.fori_loop(1, n, body, eye)
+def prepare(q, k, g, A_log, dt_bias, *, l2norm, gate, num_warps=4, interpret=False):
+    """Kernel 1, one program per (chunk, head). q, k, g: [Ttot, H, K]. Returns qn, kn [Ttot, H, K] (l2-normed when
+    `l2norm`, in q's dtype) and G [Ttot, H, K] fp32, the chunk-local cumulative log-decay (gate applied when `gate`)."""
+    total, H, K = q.shape
+    A_log = jnp.zeros((H,), F32) if A_log is None else A_log.reshape(H).astype(F32)
+    dt_bias = jnp.zeros((H, K), F32) if dt_bias is None else dt_bias.reshape(H, K).astype(F32)
+    return pl.pallas_call(
+        functools.partial(_prepare_kernel, l2norm=l2norm, gate=gate),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(q.shape, F32)),
+        grid=(total // CHUNK, H),
+        compiler_params=_params(num_warps),
+        interpret=interpret,
+        name="kda_chunk_prepare",
+    )(q, k, g, A_log, dt_bias)
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref,
-                  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, *,
-                  head_k, head_v, scale, l2norm, gate, slab, interpret):
+def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, scale):
+    t, head_block = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(head_block * heads_per_program, heads_per_program)
+    first = t - t % SUB  # first token of t's sub-chunk
+    q_t = qn_ref[t, heads, :].astype(F32)  # [BH, K]
+    k_t = kn_ref[t, heads, :].astype(F32)
+    G_t = G_ref[t, heads, :]
+
+    def score(j, carry):  # key token j <= t of the same sub-chunk: exact per-channel decay e^{G_t - G_j} <= 1
+        k_dec = kn_ref[j, heads, :].astype(F32) * jnp.exp(G_t - G_ref[j, heads, :])  # [BH, K]
+        aqk_ref[heads, t, j - first] = jnp.sum(q_t * k_dec, axis=1) * scale  # [BH]
+        akk_ref[heads, t, j - first] = jnp.where(j < t, jnp.sum(k_t * k_dec, axis=1), 0.0)
+        return carry
+
+    def zero(j, carry):  # j > t: above the diagonal
+        aqk_ref[heads, t, j - first] = jnp.zeros((heads_per_program,), F32)
+        akk_ref[heads, t, j - first] = jnp.zeros((heads_per_program,), F32)
+        return carry
+
+    lax.fori_loop(first, t + 1, score, 0)
+    lax.fori_loop(t + 1, first + SUB, zero, 0)
+
+
+def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, interpret=False):
+    """Kernel 2, token-parallel: one program per (token t, block of heads). Returns the diagonal 16x16 blocks
+    aqk_d[h, t, s] = scale sum_c q_tc k_jc e^{G_tc - G_jc} and akk_d (same with k_t, strictly lower) for the key
+    j = (first token of t's sub-chunk) + s, both [H, Ttot, 16] fp32 (zero above the diagonal)."""
+    total, H, _ = qn.shape
+    while H % heads_per_program:
+        heads_per_program //= 2
+    out = jax.ShapeDtypeStruct((H, total, SUB), F32)
+    return pl.pallas_call(
+        functools.partial(_diag_kernel, heads_per_program=heads_per_program, scale=scale),
+        out_shape=(out, out),
+        grid=(total, H // heads_per_program),
+        compiler_params=_params(num_warps),
+        interpret=interpret,
+        name="kda_chunk_diag",
+    )(qn, kn, G)
+
+
+def _inter_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, aqkd_ref, akkd_ref,
+                  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, *, head_k, scale, precise, interpret):
     chunk, head = pl.program_id(0), pl.program_id(1)
     t0 = chunk * CHUNK
-    K, V = head_k, head_v
-    slab = min(slab, K)
-    dot = functools.partial(_dot, interpret=interpret)
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
+    row_id = jnp.arange(SUB, dtype=jnp.int32)[:, None]  # [16, 1]
+    # G at the end of each sub-chunk (chunk-local), as [1, K] rows; the chunk's start is 0.
+    ends = [jnp.zeros((1, head_k), F32)] + [G_ref[pl.ds(t0 + SUB * i + SUB - 1, 1), head, :] for i in range(NSUB)]
+    g_last = ends[NSUB]
+    glast_ref[head, pl.ds(chunk, 1), :] = g_last
 
-    # Per-row factors: l2norm (fp32, eps inside the sqrt) and scale for q; beta.
-    q_fac, k_fac, beta = [], [], []
-    for rows in sub_rows:
-        if l2norm:
-            qf = q_ref[rows, head, :].astype(F32)  # [16, K]
-            kf = k_ref[rows, head, :].astype(F32)
-            q_fac.append(lax.rsqrt(jnp.sum(qf * qf, axis=1) + L2NORM_EPS) * scale)  # [16]
-            k_fac.append(lax.rsqrt(jnp.sum(kf * kf, axis=1) + L2NORM_EPS))
-        else:
-            q_fac.append(jnp.full((SUB,), scale, F32))
-            k_fac.append(jnp.ones((SUB,), F32))
-        beta.append(beta_ref[rows, head].astype(F32))  # [16]
-    decay_rate = jnp.exp(alog_ref[head].astype(F32)) if gate else None
-    last_row = jnp.arange(SUB, dtype=jnp.int32)[:, None] == SUB - 1
-
-    def slab_inputs(s):
-        """q (scaled), k, G [16, slab] per sub-chunk and G at each sub-chunk's end [slab], for channel slab s."""
-        cols = pl.ds(s * slab, slab)
-        qs, ks, Gs, ends = [], [], [], []
-        carry = jnp.zeros((slab,), F32)
-        for i, rows in enumerate(sub_rows):
-            qs.append(q_ref[rows, head, cols].astype(F32) * q_fac[i][:, None])
-            ks.append(k_ref[rows, head, cols].astype(F32) * k_fac[i][:, None])
-            g = g_ref[rows, head, cols].astype(F32)
-            if gate:
-                x = g + dtb_ref[head, cols].astype(F32)[None, :]
-                softplus = jnp.where(x > SOFTPLUS_THRESHOLD, x,
-                                     jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
-                g = -decay_rate * softplus
-            G = jnp.cumsum(g, axis=0) + carry[None, :]
-            carry = jnp.sum(jnp.where(last_row, G, 0.0), axis=0)
-            Gs.append(G)
-            ends.append(carry)
-        return cols, qs, ks, Gs, ends
-
-    ii = jnp.arange(SUB, dtype=jnp.int32)[:, None, None]
-    jj = jnp.arange(SUB, dtype=jnp.int32)[None, :, None]
-    on_or_below = ii >= jj  # [16, 16, 1]
-    pairs = [(i, j) for i in range(NSUB) for j in range(i)]
-
-    def score_step(s, acc):
-        qk_d, kk_d, qk_o, kk_o = acc
-        _, qs, ks, Gs, ends = slab_inputs(s)
-        qk_d, kk_d = list(qk_d), list(kk_d)
-        for i in range(NSUB):
-            rel = Gs[i][:, None, :] - Gs[i][None, :, :]  # [16, 16, slab]
-            decay = jnp.exp(jnp.where(on_or_below, rel, -jnp.inf))
-            k_dec = ks[i][None, :, :] * decay
-            qk_d[i] = qk_d[i] + jnp.sum(qs[i][:, None, :] * k_dec, axis=2)
-            kk_d[i] = kk_d[i] + jnp.sum(ks[i][:, None, :] * k_dec, axis=2)
-        qk_o, kk_o = list(qk_o), list(kk_o)
-        rights = [ks[j] * jnp.exp(ends[j][None, :] - Gs[j]) for j in range(NSUB - 1)]  # [16, slab]
-        for p, (i, j) in enumerate(pairs):
-            left = jnp.exp(Gs[i] - ends[j][None, :])
-            qk_o[p] = qk_o[p] + dot(qs[i] * left, rights[j], trans_b=True)
-            kk_o[p] = kk_o[p] + dot(ks[i] * left, rights[j], trans_b=True)
-        return tuple(qk_d), tuple(kk_d), tuple(qk_o), tuple(kk_o)
-
-    zero = jnp.zeros((SUB, SUB), F32)
-    acc = ((zero,) * NSUB, (zero,) * NSUB, (zero,) * len(pairs), (zero,) * len(pairs))
-    qk_d, kk_d, qk_o, kk_o = lax.fori_loop(0, K // slab, score_step, acc)
-
-    # A_qk to HBM (bf16), zero above the diagonal.
-    for i in range(NSUB):
+    # Per sub-chunk i (rows r): qg = scale q e^G, kg = k e^{G_last - G}; kb = beta k e^G for w; and the factors of
+    # the cross-sub-chunk scores, every exponent <= 0:  pair i > j = (q_i e^{G_i - end_{i-1}} e^{end_{i-1} - end_j})
+    # . (k_j e^{end_j - G_j}).
+    beta = [beta_ref[rows, head].astype(F32)[:, None] for rows in sub_rows]  # [16, 1]
+    kb, kr, aqk, akk = [], [], {}, {}
+    for i, rows in enumerate(sub_rows):
+        q, k, G = qn_ref[rows, head, :].astype(F32), kn_ref[rows, head, :].astype(F32), G_ref[rows, head, :]
+        e_G = jnp.exp(G)  # [16, K]
+        qg_ref[head, rows, :] = (q * e_G * scale).astype(qg_ref.dtype)
+        kg_ref[head, rows, :] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
+        kb.append(beta[i] * k * e_G)
+        kr.append(k * jnp.exp(ends[i + 1] - G))
+        if i:
+            local = jnp.exp(G - ends[i])
+            q_loc, k_loc = q * local, k * local
+        for j in range(i):
+            between = jnp.exp(ends[i] - ends[j + 1])  # [1, K]
+            aqk[i, j] = dot(q_loc * between, kr[j], trans_b=True) * scale  # [16, 16]
+            akk[i, j] = dot(k_loc * between, kr[j], trans_b=True)
         for j in range(NSUB):
-            block = qk_d[i] if i == j else (qk_o[pairs.index((i, j))] if j < i else zero)
-            aqk_ref[head, sub_rows[i], pl.ds(SUB * j, SUB)] = block.astype(aqk_ref.dtype)
+            block = (aqkd_ref[head, rows, :] if j == i else aqk[i, j] if j < i else jnp.zeros((SUB, SUB), F32))
+            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = block.astype(aqk_ref.dtype)
 
-    # T = (I + diag(beta) A_kk)^-1, blockwise: T_ii by substitution, T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj.
-    strict = jnp.arange(SUB, dtype=jnp.int32)[:, None] > jnp.arange(SUB, dtype=jnp.int32)[None, :]
-    a_blk = {(i, i): beta[i][:, None] * jnp.where(strict, kk_d[i], 0.0) for i in range(NSUB)}
-    a_blk.update({(i, j): beta[i][:, None] * kk_o[p] for p, (i, j) in enumerate(pairs)})
-    inv = {(i, i): _unit_lower_inverse(a_blk[i, i]) for i in range(NSUB)}
+    # T = (I + diag(beta) A_kk)^-1, blockwise. Diagonal blocks by forward substitution, reading row r of A_ii from
+    # memory: row r of T_ii = e_r - sum_c (beta_r A_rc) T_c; then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj.
+    eye = (row_id == jnp.arange(SUB, dtype=jnp.int32)[None, :]).astype(F32)
+
+    def diag_inverse(i):
+        def body(r, x):
+            a_r = akkd_ref[head, t0 + SUB * i + r, :] * beta_ref[t0 + SUB * i + r, head].astype(F32)  # [16]
+            return x - jnp.where(row_id == r, jnp.sum(a_r[:, None] * x, axis=0)[None, :], 0.0)
+        return lax.fori_loop(1, SUB, body, eye)
+
+    a_blk = {(i, j): beta[i] * akk[i, j] for (i, j) in akk}
+    inv = {(i, i): diag_inverse(i) for i in range(NSUB)}
     for gap in range(1, NSUB):
         for j in range(NSUB - gap):
             i = j + gap
-            acc_ij = sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i))
-            inv[i, j] = -dot(inv[i, i], acc_ij)
+            inv[i, j] = -dot(inv[i, i], sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i)))
 
-    # w = T (beta k e^G), qg, kg, G_last, per key slab.
-    def out_step(s, carry):
-        cols, qs, ks, Gs, ends = slab_inputs(s)
-        g_last = ends[-1]
-        kb = [beta[j][:, None] * ks[j] * jnp.exp(Gs[j]) for j in range(NSUB)]
-        for i, rows in enumerate(sub_rows):
-            qg_ref[head, rows, cols] = (qs[i] * jnp.exp(Gs[i])).astype(qg_ref.dtype)
-            kg_ref[head, rows, cols] = (ks[i] * jnp.exp(g_last[None, :] - Gs[i])).astype(kg_ref.dtype)
-            w = sum(dot(inv[i, j], kb[j]) for j in range(i + 1))
-            w_ref[head, rows, cols] = w.astype(w_ref.dtype)
-        glast_ref[head, chunk, cols] = g_last
-        return carry
-
-    lax.fori_loop(0, K // slab, out_step, 0)
-
-    vslab = min(SLAB * 2, V)
-
-    def u_step(s, carry):
-        cols = pl.ds(s * vslab, vslab)
-        vb = [beta[j][:, None] * v_ref[rows, head, cols].astype(F32) for j, rows in enumerate(sub_rows)]
-        for i, rows in enumerate(sub_rows):
-            u = sum(dot(inv[i, j], vb[j]) for j in range(i + 1))
-            u_ref[head, rows, cols] = u.astype(u_ref.dtype)
-        return carry
-
-    lax.fori_loop(0, V // vslab, u_step, 0)
+    # w = T (beta k e^G), u = T (beta v).
+    for i, rows in enumerate(sub_rows):
+        w_ref[head, rows, :] = sum(dot(inv[i, j], kb[j]) for j in range(i + 1)).astype(w_ref.dtype)
+        u = sum(dot(inv[i, j], beta[j] * v_ref[sub_rows[j], head, :].astype(F32)) for j in range(i + 1))
+        u_ref[head, rows, :] = u.astype(u_ref.dtype)
 
 
-def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=4, slab=SLAB, interpret=False):
-    """Kernel 1. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a multiple of 64.
-
-    Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64], all bf16 when q is bf16 (fp32 otherwise:
-    the fp32 path keeps fp32 accuracy end to end); and G_last [H, Ttot/64, K] fp32.
-    """
-    inter = BF16 if q.dtype == BF16 else F32
-    total, H, K = q.shape
+def inter(qn, kn, G, v, beta, aqk_d, akk_d, *, scale, num_warps=2, interpret=False):
+    """Kernel 3, one program per (chunk, head): cross-sub-chunk scores, the WY inverse and the recurrence inputs.
+    Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64] (in qn's dtype: bf16 or fp32); G_last
+    [H, Ttot/64, K] fp32. Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32) with fp32 inputs."""
+    total, H, K = qn.shape
     V = v.shape[-1]
-    n_chunks = total // CHUNK
-    A_log = jnp.zeros((H,), F32) if A_log is None else A_log.reshape(H).astype(F32)
-    dt_bias = jnp.zeros((H * K,), F32) if dt_bias is None else dt_bias.reshape(H * K).astype(F32)
-    kernel = functools.partial(_intra_kernel, head_k=K, head_v=V, scale=scale, l2norm=l2norm, gate=gate,
-                               slab=slab, interpret=interpret)
-
-    out_shape = (jax.ShapeDtypeStruct((H, total, K), inter), jax.ShapeDtypeStruct((H, total, K), inter),
-                 jax.ShapeDtypeStruct((H, total, K), inter), jax.ShapeDtypeStruct((H, total, V), inter),
-                 jax.ShapeDtypeStruct((H, total, CHUNK), inter), jax.ShapeDtypeStruct((H, n_chunks, K), F32))
+    inter_dtype = qn.dtype
+    kernel = functools.partial(_inter_kernel, head_k=K, scale=scale, precise=inter_dtype == F32, interpret=interpret)
+    out_shape = (jax.ShapeDtypeStruct((H, total, K), inter_dtype), jax.ShapeDtypeStruct((H, total, K), inter_dtype),
+                 jax.ShapeDtypeStruct((H, total, K), inter_dtype), jax.ShapeDtypeStruct((H, total, V), inter_dtype),
+                 jax.ShapeDtypeStruct((H, total, CHUNK), inter_dtype),
+                 jax.ShapeDtypeStruct((H, total // CHUNK, K), F32))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(n_chunks, H),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        grid=(total // CHUNK, H),
+        compiler_params=_params(num_warps),
         interpret=interpret,
-        name="kda_chunk_intra",
-    )(q, k, v, g, beta, A_log, dt_bias.reshape(H, K))
+        name="kda_chunk_inter",
+    )(qn, kn, G, v, beta, aqk_d, akk_d)
+
+
+def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=2, diag_heads=4, diag_warps=1,
+          interpret=False):
+    """Kernels 1-3: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
+    multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
+    Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
+    if q.dtype not in (F32, BF16):
+        raise ValueError(f"the Pallas chunk kernels take bfloat16 or float32 q/k/v, got {q.dtype}")
+    qn, kn, G = prepare(q, k, g, A_log, dt_bias, l2norm=l2norm, gate=gate, interpret=interpret)
+    aqk_d, akk_d = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
+                        interpret=interpret)
+    return inter(qn, kn, G, v.astype(q.dtype), beta, aqk_d, akk_d, scale=scale, num_warps=num_warps,
+                 interpret=interpret)
 
 
 def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref, offsets_ref, o_ref, ht_ref, *,
@@ -244,7 +255,7 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref,
 
 
 def recurrence(qg, kg, w, u, aqk, g_last, initial_state, chunk_offsets, *, out_dtype, block_v=64, num_warps=4,
-               num_stages=2, interpret=False):
+               num_stages=3, interpret=False):
     """Kernel 2. Intermediates from `intra`; initial_state [N, H, K, V] fp32; chunk_offsets [N + 1] int32 (the
     first chunk of each sequence). Returns o [Ttot, H, V] in out_dtype and the final states [N, H, K, V] fp32."""
     H, total, K = qg.shape
