@@ -1,0 +1,788 @@
+"""Whole-model benchmark of the Kimi-Linear architecture: prefill time, decode time per output token (TPOT) against a
+memory roofline, and a profile of one decode step (issue 8).
+
+    python benchmarks/model_decode.py --config configs/kimi_linear.yml --out $OUT             # the 48B model, one GPU
+    python benchmarks/model_decode.py --config configs/kimi_linear.yml --layers 4 --out $OUT  # its first 4 layers
+    python benchmarks/model_decode.py --smoke                                                # tiny model, CPU, seconds
+    python benchmarks/model_decode.py ici_tensor_parallelism=2 --config configs/kimi_linear.yml \
+        --stages copy,init,decode,profile --batches 1 8 --decode-moe gather ragged_dot
+
+`key=value` arguments override the config (after the benchmark's own dtype=bfloat16, weight_dtype=bfloat16 and
+max_target_length = prompt + every decode step the run takes); put them before the list-valued options (--batches,
+--decode-moe). Compiled programs persist in $JAX_COMPILATION_CACHE_DIR (default <tmp>/jax-compilation-cache), so a
+rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; default all):
+  copy     device copy bandwidth, bytes read + written / time: benchmarks/kda_kernels.copy_bandwidth on a GPU (torch
+           and JAX; the roofline uses the larger), a JAX copy timed by kda_kernels.time_jax elsewhere.
+  init     random params created directly on the device(s) in their logical-axis shardings (train.init_params: one
+           jit with out_shardings; model.init traces a [1, 1] dummy, and nothing is materialized on the host).
+  prefill  a --prompt-len prompt (batch 1) fed --prefill-chunk tokens per jitted call, each continuing the donated
+           cache (chunked prefill bounds the MoE dispatch's temporaries); median wall time of --prefill-repeats runs
+           after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
+  decode   per batch B (--batches) and MoE dispatch (--decode-moe): the prefilled prompt's cache repeated over B rows
+           (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
+           single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
+           TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
+           as in a device-side loop); `synced` = median of --synced-steps steps each waited for (adds dispatch).
+           The step also counts the distinct experts each MoE layer's router chose (captured Router outputs), and
+           the roofline uses those counts. (Engine's decode runs all steps in one while_loop, which gives neither a
+           per-step time nor a one-step profile; this step is Engine's step_fn as a program of its own.)
+  profile  --profile-steps decode steps under jax.profiler for every decode setting; the trace's device kernels
+           summed by HLO op, and by model component (kda/q_proj, moe/experts, ...) through the compiled HLO's
+           op_name metadata; printed as the top --top ops with their share of the step time.
+
+Roofline (per decode setting) = decode_bytes_per_step(config, B, context, distinct experts) / copy bandwidth (per
+device: a mesh of N devices is assumed to split the bytes N ways). Prints a table and writes model_decode.json to
+--out (default $OUT or .) after every stage, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+# The 48B model's ~98 GB of params need more than the default 75% of an H200's memory that XLA may allocate.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# A rerun (say, another --stages subset) loads the compiled programs instead of compiling them again.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jax-compilation-cache"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
+from MaxText import pyconfig, sharding  # noqa: E402
+from MaxText.layers.models import KimiLinearForCausalLM  # noqa: E402
+from MaxText.layers.moe import GROUPED_MATMUL_CHOICES, Router  # noqa: E402
+from MaxText.train import init_params  # noqa: E402
+
+STAGES = ("copy", "init", "prefill", "decode", "profile")
+DECODE_MODULE = "jit_decode_step"  # the XLA module name of the jitted `decode_step`
+SMOKE = dict(config="configs/kimi_linear_tiny.yml", prompt_len=64, prefill_chunk=32, prefill_repeats=1, batches=[1, 2],
+             steps=3, repeats=1, warmup=1, synced_steps=2, profile_steps=2)
+
+
+# ------------------------------------------------------------------------------------------------ bytes per step
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected distinct experts among `num_tokens` tokens that each route to `top_k` distinct experts uniformly:
+    E * (1 - (1 - k/E)^b) (one token misses a given expert with probability 1 - k/E, independently of the others)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def decode_bytes_per_step(config: ml_collections.FrozenConfigDict, batch: int, context: int,
+                          distinct_experts_per_layer: float | Sequence[float]) -> dict[str, float]:
+    """The bytes one decode step of `batch` rows with `context` cached tokens must move, by term, plus 'total'.
+
+    Weights (`weight_dtype`) are read once per step: the embedding rows of the batch's input tokens, lm_head whole,
+    every norm, every KDA / MLA projection (KDA conv kernels, A_log, dt_bias, o_norm included), the dense MLP layers,
+    each MoE layer's router (its correction bias is float32) and shared experts, and the routed experts in use:
+    `distinct_experts_per_layer` of them in each MoE layer (one number for all MoE layers, or one per MoE layer in
+    layer order; see expected_distinct_experts). State: the KDA recurrent state read and written (2 * B * H * K * V * 4
+    bytes per KDA layer), the KDA conv window read and written (2 * B * (W-1) * 3*H*K in `dtype`), and the MLA latent
+    cache read (B * context * (kv_lora_rank + qk_rope_head_dim) in `dtype` per MLA layer). Activations and the one new
+    cache row per layer are left out (they are small).
+    """
+    cfg = config
+    weight, act = jnp.dtype(cfg.weight_dtype).itemsize, jnp.dtype(cfg.dtype).itemsize
+    dim, heads, head_dim, width = cfg.emb_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_kernel_size
+    qkv = heads * head_dim  # K = V = kda_head_dim
+    kda_params = (3 * dim * qkv + 3 * width * qkv  # q, k, v projections and their short convolutions
+                  + dim * head_dim + head_dim * qkv + heads + qkv  # f_a, f_b, A_log, dt_bias
+                  + dim * heads  # b_proj
+                  + dim * head_dim + head_dim * qkv + head_dim  # g_a, g_b, o_norm
+                  + qkv * dim)  # o_proj
+    q_dim = cfg.num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    rank, latent = cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    q_params = dim * q_dim if not rank else dim * rank + rank + rank * q_dim  # q_proj | q_a, q_a_layernorm, q_b
+    mla_params = (q_params + dim * latent + cfg.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
+                  + cfg.kv_lora_rank * cfg.num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b_proj
+                  + cfg.num_query_heads * cfg.v_head_dim * dim)  # o_proj
+    expert_params = 3 * dim * cfg.moe_mlp_dim  # gate, up, down
+    n_kda, n_mla = cfg.layer_types.count("kda"), cfg.layer_types.count("mla")
+    n_dense, n_moe = cfg.mlp_types.count("dense"), cfg.mlp_types.count("moe")
+    if np.ndim(distinct_experts_per_layer) == 0:
+        experts_used = n_moe * float(distinct_experts_per_layer)
+    elif len(distinct_experts_per_layer) == n_moe:
+        experts_used = float(np.sum(distinct_experts_per_layer))
+    else:
+        raise ValueError(f"distinct_experts_per_layer has {len(distinct_experts_per_layer)} entries; the config has "
+                         f"{n_moe} MoE layers (give one number per MoE layer, or one number for all)")
+    terms = {
+        "embedding_rows": batch * dim * weight,
+        "lm_head": dim * cfg.vocab_size * weight,
+        "norms": (2 * cfg.num_decoder_layers + 1) * dim * weight,
+        "kda_weights": n_kda * kda_params * weight,
+        "mla_weights": n_mla * mla_params * weight,
+        "dense_mlp": n_dense * 3 * dim * cfg.mlp_dim * weight,
+        "router": n_moe * (dim * cfg.num_experts * weight + cfg.num_experts * 4),
+        "shared_experts": n_moe * cfg.shared_experts * expert_params * weight,
+        "routed_experts": experts_used * expert_params * weight,
+        "kda_state": n_kda * 2 * batch * heads * head_dim * head_dim * 4,
+        "kda_conv_state": n_kda * 2 * batch * (width - 1) * 3 * qkv * act,
+        "mla_latent_cache": n_mla * batch * context * latent * act,
+    }
+    terms["total"] = float(sum(terms.values()))
+    return terms
+
+
+# ------------------------------------------------------------------------------------------------ profile parsing
+
+# Lines the profiler derives from the kernel lines (reading them too would count every kernel twice).
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Steps", "Launch Stats", "TensorFlow Ops",
+                 "TensorFlow Name Scope", "Framework Ops", "Framework Name Scope", "Source code")
+
+
+class OpTimes(NamedTuple):
+    """Device time of one XLA program in a trace, by HLO op."""
+    nanoseconds: dict[str, float]  # HLO op name (the kernel's name when it has no 'hlo_op' stat) -> summed time
+    kernels: dict[str, str]  # HLO op name -> the name of a kernel it launched
+    source: str  # the plane and lines read
+
+
+def find_xplane(trace_dir: str) -> str:
+    """The newest *.xplane.pb that jax.profiler.trace wrote under `trace_dir`."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not paths:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: the profiler wrote no trace")
+    return paths[-1]
+
+
+def _exclusive(events: list[tuple[float, float]]) -> list[float]:
+    """Durations of (start, duration) events on one line minus the durations of the events nested in them."""
+    exclusive = [duration for _, duration in events]
+    open_events: list[int] = []
+    for i in sorted(range(len(events)), key=lambda j: (events[j][0], -events[j][1])):
+        start, duration = events[i]
+        while open_events and sum(events[open_events[-1]]) <= start:
+            open_events.pop()
+        if open_events:
+            exclusive[open_events[-1]] -= duration
+        open_events.append(i)
+    return exclusive
+
+
+def device_op_times(xplane_path: str, module_name: str, accelerator: bool) -> OpTimes:
+    """Device time per HLO op of the XLA program `module_name` (e.g. 'jit_decode_step') in a jax.profiler trace.
+
+    Reads the first accelerator plane ('/device:GPU:0'): its kernel lines (the CUDA streams), each kernel keyed by
+    its 'hlo_op' stat (its own name when the stat is absent). Without an accelerator plane (CPU runs): the host
+    plane's XLA thunk events (those with an 'hlo_op' stat), nested events' time taken out of their parents. Events of
+    other programs are skipped where the 'hlo_module' stat names them. `accelerator`: the run used a GPU / TPU, so a
+    trace without its plane (no device tracer, e.g. CUPTI unavailable) is an error, not a host-side breakdown.
+    """
+    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+    planes = list(ProfileData.from_file(xplane_path).planes)
+    devices = {p: re.match(r"/device:(GPU|TPU):(\d+)", p.name) for p in planes}
+    devices = {p: int(match.group(2)) for p, match in devices.items() if match}
+    if accelerator and not devices:
+        raise ValueError(f"the trace {xplane_path} has no accelerator plane (was the device tracer, e.g. CUPTI, "
+                         f"unavailable?); planes: {[p.name for p in planes]}")
+    if devices:
+        plane = min(devices, key=devices.get)
+        lines = ([line for line in plane.lines if line.name.startswith("Stream")]
+                 or [line for line in plane.lines if line.name not in DERIVED_LINES])
+        host = False
+    else:
+        hosts = [p for p in planes if p.name == "/host:CPU"]
+        if not hosts:
+            raise ValueError(f"the trace {xplane_path} has neither an accelerator nor a host CPU plane; planes: "
+                             f"{[p.name for p in planes]}")
+        plane, lines, host = hosts[0], list(hosts[0].lines), True
+    nanoseconds: dict[str, float] = defaultdict(float)
+    kernels: dict[str, str] = {}
+    for line in lines:
+        keyed = []
+        for event in line.events:
+            stats = dict(event.stats)
+            module = stats.get("hlo_module")
+            if (host and "hlo_op" not in stats) or (module is not None and str(module).split("(")[0] != module_name):
+                continue
+            keyed.append((str(stats.get("hlo_op") or event.name), event.name, event.start_ns, event.duration_ns))
+        durations = _exclusive([(start, duration) for *_, start, duration in keyed]) if host else [
+            duration for *_, duration in keyed]
+        for (op, kernel, _, _), duration in zip(keyed, durations):
+            nanoseconds[op] += duration
+            kernels.setdefault(op, kernel)
+    source = f"{plane.name}: {', '.join(sorted({line.name for line in lines}))}"
+    return OpTimes(dict(nanoseconds), kernels, source)
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the op_name of its metadata ('jit(decode_step)/.../layers_3/mlp/experts/dot_general').
+
+    An instruction without metadata that reads a param directly (XLA's own dtype converts, say) gets the param's
+    path instead ('model/layers_0/mlp/down_proj/kernel/(param)').
+    """
+    names = {}
+    for line in hlo_text.splitlines():
+        instruction = re.match(r"\s*(?:ROOT\s+)?%?([^\s=(]+)\s*=", line)
+        if instruction is None:
+            continue
+        op_name = re.search(r'\bop_name="([^"]*)"', line)
+        param = None if op_name else re.search(r"%(params__[^\s,)]+)", line)
+        if op_name:
+            names[instruction.group(1)] = op_name.group(1)
+        elif param:
+            path = [part for part in param.group(1).split(".")[0].split("__") if part][1:]
+            names[instruction.group(1)] = "/".join(path + ["(param)"])
+    return names
+
+
+def model_component(op_name: str | None, config) -> str:
+    """Where an op comes from: 'kda/q_proj', 'moe/experts', 'mla', 'lm_head', 'layer norms', ... (the layer index
+    replaced by the layer's kind, so that all layers of a kind add up; attention math without a projection of its
+    own is just 'kda' / 'mla')."""
+    if not op_name:
+        return "(no op_name)"
+    # Keep module names: drop the model class, jit / vmap / loop scopes, einsum specs and flax method scopes.
+    parts = [p for p in op_name.split("/")[:-1]  # the last part is the primitive (dot_general, mul, ...)
+             if p and p != "KimiLinearForCausalLM" and "(" not in p and "->" not in p and "." not in p
+             and p not in ("while", "body", "cond", "closed_call")]
+    if not parts:
+        return "outside the model (sampling, ...)"
+    if parts[0] != "model" or len(parts) == 1:
+        return parts[0]  # lm_head
+    layer = re.fullmatch(r"layers_(\d+)", parts[1])
+    if layer is None:
+        return parts[1]  # embed_tokens, norm
+    index = int(layer.group(1))
+    if len(parts) == 2 or parts[2].endswith("layernorm"):
+        return "layer norms"
+    kind = {"self_attn": config.layer_types[index], "mlp": config.mlp_types[index]}.get(parts[2], parts[2])
+    return "/".join([kind] + parts[3:4])
+
+
+def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps: int, step_seconds: float,
+                      top: int) -> dict[str, Any]:
+    """Per-step device time by HLO op (the `top` largest) and by model component, in ms and % of `step_seconds`."""
+    per_step = {op: ns * 1e-9 / steps for op, ns in op_times.nanoseconds.items()}
+
+    def op_name(op):  # keyed by HLO op, or by a kernel named after its fusion ('loop_add_fusion_2' for '...fusion.2')
+        return op_names.get(op) or op_names.get(re.sub(r"_(\d+)$", r".\1", op))
+
+    by_component: dict[str, float] = defaultdict(float)
+    for op, seconds in per_step.items():
+        by_component[model_component(op_name(op), config)] += seconds
+    busy = sum(per_step.values())
+
+    def row(seconds):
+        return {"ms": seconds * 1e3, "pct_of_step": 100 * seconds / step_seconds}
+
+    return {
+        "source": op_times.source, "steps": steps, "step_ms": step_seconds * 1e3, "busy_ms": busy * 1e3,
+        "idle_ms": (step_seconds - busy) * 1e3, "num_ops": len(per_step),
+        "top_ops": [{"op": op, "kernel": op_times.kernels.get(op), "component": model_component(op_name(op), config),
+                     "op_name": op_name(op), **row(seconds)}
+                    for op, seconds in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]],
+        "components": [{"component": name, **row(seconds)}
+                       for name, seconds in sorted(by_component.items(), key=lambda kv: -kv[1])],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ setup
+
+
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """Prints (flushed) with the seconds since the script started, so a run cut short shows where it was."""
+    kda_kernels.log(f"[{time.perf_counter() - _START:7.1f} s] {message}")
+
+
+def memory_note() -> str:
+    """Device 0's memory in use, peak and limit ('' where the backend does not say)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" not in stats:
+        return ""
+    in_use, peak, limit = (stats.get(key, 0) / 1e9 for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"))
+    return f" [device 0: {in_use:.1f} GB in use, peak {peak:.1f} GB of {limit:.1f} GB]"
+
+
+def decode_steps_per_setting(args) -> int:
+    """Decode steps one (batch, dispatch) setting takes: each writes one cache position."""
+    return args.warmup + args.repeats * args.steps + args.synced_steps + args.profile_steps
+
+
+def load_benchmark_config(args, **extra) -> ml_collections.FrozenConfigDict:
+    """The model config: bf16 params and activations, a cache long enough for the run, `--layers`, the command
+    line's key=value overrides, then `extra` (the MoE dispatch of a stage)."""
+    overrides = ["dtype=bfloat16", "weight_dtype=bfloat16",
+                 f"max_target_length={args.prompt_len + decode_steps_per_setting(args) + 1}"]
+    if args.layers:
+        full = pyconfig.load_config(args.config)
+        if args.layers > full.num_decoder_layers:
+            raise ValueError(f"--layers {args.layers}: {args.config} has only {full.num_decoder_layers} layers")
+        kept = range(args.layers)
+        overrides += [f"num_decoder_layers={args.layers}",
+                      f"kda_layers={[i + 1 for i in kept if full.layer_types[i] == 'kda']}",
+                      f"mla_layers={[i + 1 for i in kept if full.layer_types[i] == 'mla']}"]
+    overrides += list(args.overrides) + [f"{key}={value}" for key, value in extra.items()]
+    return pyconfig.load_config(args.config, overrides)
+
+
+class Setup:
+    """The model config, device mesh, param shardings and the params on the device(s)."""
+
+    def __init__(self, config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, param_shardings, params):
+        self.config, self.mesh, self.param_shardings, self.params = config, mesh, param_shardings, params
+        self._abstract_caches: dict[int, Any] = {}
+
+    def rows(self, ndim: int) -> NamedSharding:
+        return sharding.batch_sharding(self.mesh, self.config, ndim)
+
+    def abstract_cache(self, batch: int):
+        """The cache tree of `batch` rows (ShapeDtypeStructs); nothing is allocated."""
+        if batch not in self._abstract_caches:
+            model = KimiLinearForCausalLM(self.config)
+            self._abstract_caches[batch] = jax.eval_shape(
+                lambda p, t: model.apply({"params": p}, t, model_mode="prefill", mutable=["cache"])[1]["cache"],
+                self.params, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+        return self._abstract_caches[batch]
+
+    def cache_shardings(self, batch: int):
+        return sharding.cache_shardings(self.abstract_cache(batch), self.mesh, self.config)
+
+    def compile(self, fn, example_args, **jit_kwargs):
+        """(jax.jit(fn, **jit_kwargs) lowered and compiled for `example_args`, the seconds that took)."""
+        start = time.perf_counter()
+        with sharding.mesh_context(self.mesh, self.config):
+            compiled = jax.jit(fn, **jit_kwargs).lower(*example_args).compile()
+        return compiled, time.perf_counter() - start
+
+
+def init_setup(args, results) -> Setup:
+    config = load_benchmark_config(args)
+    mesh = sharding.create_mesh(config)
+    sharding.check_mesh_fits_model(config, mesh)
+    shardings = sharding.param_shardings(config, mesh)
+    log(f"init: {config.num_decoder_layers} layers on mesh {sharding.describe_mesh(mesh)}, weight_dtype "
+        f"{config.weight_dtype}, max_target_length {config.max_target_length}")
+    start = time.perf_counter()
+    # An "rbg" key: XLA's RngBitGenerator makes each param's bits in place, where threefry's unfused intermediates
+    # (XLA:CPU) cost several times every param's size in temporaries (measured: 26 GB vs 0.65 GB for 2 layers).
+    key = jax.random.key(config.seed, impl="rbg")
+    params = jax.block_until_ready(init_params(KimiLinearForCausalLM(config), config, key, shardings, dummy_length=1))
+    leaves = jax.tree.leaves(params)
+    results["params"] = {"count": int(sum(x.size for x in leaves)), "bytes": int(sum(x.nbytes for x in leaves)),
+                         "init_s": time.perf_counter() - start, "mesh": sharding.describe_mesh(mesh)}
+    log(f"init: {results['params']['count'] / 1e9:.3f} B params, {results['params']['bytes'] / 1e9:.2f} GB, "
+        f"{results['params']['init_s']:.1f} s (compile + run){memory_note()}")
+    return Setup(config, mesh, shardings, params)
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def measure_copy_bandwidth(small: bool) -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written per second) as benchmarks/kda_kernels.py measures it."""
+    if jax.default_backend() == "gpu" and not small:
+        try:
+            import torch  # pylint: disable=import-outside-toplevel
+            torch_bw, jax_bw = kda_kernels.copy_bandwidth()
+            torch.cuda.empty_cache()  # give its 4 GiB back before the model is created
+            return {"torch_Bps": torch_bw, "jax_Bps": jax_bw, "used_Bps": max(torch_bw, jax_bw)}
+        except Exception as e:  # noqa: BLE001 -- no torch with CUDA: the JAX copy alone
+            log(f"copy: kda_kernels.copy_bandwidth failed ({type(e).__name__}: {e}); timing a JAX copy only")
+    floats = 2 ** 22 if small else 2 ** 29
+    seconds = kda_kernels.time_jax(jax.jit(lambda a: a * 1.0 + 0.0), jnp.ones((floats,), jnp.float32), blocks=3)
+    return {"jax_Bps": 2 * 4 * floats / seconds, "used_Bps": 2 * 4 * floats / seconds}
+
+
+def make_prefill_chunk(model):
+    def prefill_chunk(params, cache, tokens):
+        """tokens [B, C] continue `cache` -> (greedy next token [B] int32 after the last position, the new cache)."""
+        logits, variables = model.apply({"params": params, "cache": cache}, tokens, model_mode="prefill",
+                                        logits_to_keep=1, mutable=["cache"])
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), variables["cache"]
+    return prefill_chunk
+
+
+def zero_cache_fn(setup: Setup, batch: int):
+    shardings = setup.cache_shardings(batch)
+    abstract = setup.abstract_cache(batch)
+    return jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract), out_shardings=shardings)
+
+
+def run_prefill(setup: Setup, args, results) -> Any:
+    """Times the prefill of one prompt (batch 1); returns its filled cache."""
+    chunk = min(args.prefill_chunk, args.prompt_len)
+    if args.prompt_len % chunk:
+        raise ValueError(f"--prompt-len {args.prompt_len} is not a multiple of --prefill-chunk {chunk}")
+    config = load_benchmark_config(args, moe_grouped_matmul=args.prefill_moe)
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size, (1, args.prompt_len), dtype=np.int32)
+    chunks = [jax.device_put(prompt[:, i:i + chunk], setup.rows(2)) for i in range(0, args.prompt_len, chunk)]
+    zeros = zero_cache_fn(setup, 1)
+    cache_shardings = setup.cache_shardings(1)
+    step, compile_s = setup.compile(
+        make_prefill_chunk(KimiLinearForCausalLM(config)), (setup.params, zeros(), chunks[0]),
+        in_shardings=(setup.param_shardings, cache_shardings, setup.rows(2)),
+        out_shardings=(setup.rows(1), cache_shardings), donate_argnums=(1,))
+    log(f"prefill: compiled a {chunk}-token chunk step (moe {config.moe_grouped_matmul}) in {compile_s:.1f} s")
+    times = []
+    for run in range(1 + args.prefill_repeats):
+        cache = jax.block_until_ready(zeros())
+        start = time.perf_counter()
+        for tokens in chunks:
+            next_token, cache = step(setup.params, cache, tokens)
+        jax.block_until_ready((next_token, cache))
+        times.append(time.perf_counter() - start)
+        log(f"prefill: run {run} {'(warm-up) ' if run == 0 else ''}{times[-1] * 1e3:.1f} ms{memory_note()}")
+    seconds = statistics.median(times[1:])
+    results["prefill"] = {"prompt_len": args.prompt_len, "batch": 1, "chunk": chunk, "moe": config.moe_grouped_matmul,
+                          "compile_s": compile_s, "ms": seconds * 1e3, "tokens_per_s": args.prompt_len / seconds,
+                          "runs_ms": [t * 1e3 for t in times[1:]], "warmup_ms": times[0] * 1e3}
+    return cache
+
+
+def _is_router_call(module, method_name: str) -> bool:
+    return isinstance(module, Router) and method_name == "__call__"
+
+
+def make_decode_step(model, num_experts: int):
+    def decode_step(params, cache, tokens):
+        """tokens [B] -> (greedy next tokens [B] int32, distinct experts chosen per MoE layer [n_moe] int32, cache)."""
+        logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
+                                        model_mode="autoregressive", mutable=["cache", "intermediates"],
+                                        capture_intermediates=_is_router_call)
+        routers = flax.traverse_util.flatten_dict(flax.core.unfreeze(variables.get("intermediates", {})))
+        by_layer = sorted(routers.items(), key=lambda kv: int(re.search(r"layers_(\d+)", "/".join(kv[0])).group(1)))
+        distinct = [jnp.sum(jnp.zeros((num_experts,), jnp.bool_).at[output[0][1].reshape(-1)].set(True),
+                            dtype=jnp.int32) for _, output in by_layer]  # output: ((weights, expert ids),)
+        distinct = jnp.stack(distinct) if distinct else jnp.zeros((0,), jnp.int32)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), distinct, variables["cache"]
+    return decode_step
+
+
+def batch_cache(setup: Setup, prefilled, batch: int, context: int):
+    """A `batch`-row cache at `context` tokens: the prefilled 1-row cache repeated, or (no prefill) a synthetic one
+    (random latents and states, `context` valid positions); decode cost does not depend on the values."""
+    shardings = setup.cache_shardings(batch)
+    if prefilled is not None:
+        return jax.jit(lambda c: jax.tree.map(lambda x: jnp.repeat(x, batch, axis=0), c),
+                       out_shardings=shardings)(prefilled)
+
+    def synthetic(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        key = jax.random.fold_in(jax.random.key(1, impl="rbg"), zlib.crc32(jax.tree_util.keystr(path).encode()))
+        if name == "index":
+            return jnp.full(leaf.shape, context, leaf.dtype)
+        if name == "key_valid":
+            return jnp.broadcast_to(jnp.arange(leaf.shape[-1]) < context, leaf.shape)
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            return (0.1 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
+        return jnp.zeros(leaf.shape, leaf.dtype)
+
+    abstract = setup.abstract_cache(batch)
+    return jax.jit(lambda: jax.tree_util.tree_map_with_path(synthetic, abstract), out_shardings=shardings)()
+
+
+def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: float | None, profile: bool) -> dict:
+    """Times (and profiles) the decode step at `batch` rows with MoE dispatch `moe`; returns its result row."""
+    multiple = sharding.batch_multiple(setup.mesh, setup.config)
+    if batch % multiple:
+        raise ValueError(f"batch {batch} is not a multiple of the mesh's {multiple} batch shards")
+    config = load_benchmark_config(args, moe_grouped_matmul=moe)
+    cache = batch_cache(setup, prefilled, batch, args.prompt_len)
+    rng = np.random.default_rng(batch)
+    tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
+    cache_shardings = setup.cache_shardings(batch)
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    step, compile_s = setup.compile(
+        make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens),
+        in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1)),
+        out_shardings=(setup.rows(1), replicated, cache_shardings), donate_argnums=(1,))
+    log(f"decode B={batch} moe={moe}: compiled in {compile_s:.1f} s")
+
+    for _ in range(args.warmup):
+        tokens, _, cache = step(setup.params, cache, tokens)
+    jax.block_until_ready((tokens, cache))
+    blocks, distinct = [], []
+    for _ in range(args.repeats):  # steps issued back to back, one wait per block
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            tokens, counts, cache = step(setup.params, cache, tokens)
+            distinct.append(counts)
+        jax.block_until_ready((tokens, cache))
+        blocks.append((time.perf_counter() - start) / args.steps)
+    synced = []
+    for _ in range(args.synced_steps):
+        start = time.perf_counter()
+        tokens, _, cache = jax.block_until_ready(step(setup.params, cache, tokens))
+        synced.append(time.perf_counter() - start)
+    tpot = statistics.median(blocks)
+    per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
+    uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
+    row = {"batch": batch, "moe": moe, "context": args.prompt_len, "cache": "prefill" if prefilled is not None else
+           "synthetic", "compile_s": compile_s, "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
+           "block_ms": [b * 1e3 for b in blocks], "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
+           "distinct_experts_per_layer": per_layer.tolist(),
+           "distinct_experts_mean": float(per_layer.mean()) if per_layer.size else 0.0,
+           "distinct_experts_uniform": uniform}
+    row["bytes"] = decode_bytes_per_step(config, batch, args.prompt_len, per_layer if per_layer.size else 0.0)
+    if copy_bw:
+        bandwidth = copy_bw * setup.mesh.size
+        row["roofline_ms"] = row["bytes"]["total"] / bandwidth * 1e3
+        row["tpot_over_roofline"] = row["tpot_ms"] / row["roofline_ms"]
+        row["roofline_uniform_ms"] = decode_bytes_per_step(config, batch, args.prompt_len, uniform)["total"] \
+            / bandwidth * 1e3
+    ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['tpot_over_roofline']:.2f})" if copy_bw else ""
+    log(f"decode B={batch} moe={moe}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
+        f"synced step {row['synced_step_ms'] or 0:.3f} ms; distinct experts/layer {row['distinct_experts_mean']:.1f} "
+        f"(uniform {uniform:.1f}){memory_note()}")
+    if row["distinct_experts_mean"] < 0.8 * uniform:
+        log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
+            f"measured counts")
+    if profile and args.profile_steps:
+        row["profile"] = profile_decode(step, setup, cache, tokens, args, config, tpot, f"b{batch}_{moe}")
+    return row
+
+
+def profile_decode(step, setup: Setup, cache, tokens, args, config, step_seconds: float, tag: str) -> dict:
+    """Traces --profile-steps decode steps and returns the per-op breakdown (or {'error': why} when parsing fails)."""
+    trace_dir = os.path.join(args.trace_dir, tag) if args.trace_dir else tempfile.mkdtemp(prefix="model_decode_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(args.profile_steps):
+                tokens, _, cache = step(setup.params, cache, tokens)
+            jax.block_until_ready((tokens, cache))
+        op_times = device_op_times(find_xplane(trace_dir), DECODE_MODULE, jax.default_backend() != "cpu")
+        if not op_times.nanoseconds:
+            raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")
+        breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, args.profile_steps,
+                                      step_seconds, args.top)
+        log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} of "
+            f"{breakdown['step_ms']:.3f} ms per step ({breakdown['source']})")
+        return breakdown
+    except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
+        traceback.print_exc()
+        log(f"profile {tag}: FAILED to trace or parse the profile ({type(e).__name__}: {e}); no breakdown")
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    finally:
+        if not args.trace_dir:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def environment(argv: Sequence[str]) -> dict[str, Any]:
+    import jaxlib  # pylint: disable=import-outside-toplevel
+    device = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python", "benchmarks/model_decode.py", *argv]), "jax": jax.__version__,
+            "jaxlib": getattr(jaxlib, "__version__", "?"), "python": platform.python_version(),
+            "platform": device.platform, "device": device.device_kind, "num_devices": jax.device_count()}
+
+
+def write_json(out_dir: str, results: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "model_decode.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(results, fh, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def report(results: dict) -> str:
+    """The results as markdown tables."""
+    env, lines = results["env"], []
+    lines.append(f"## Kimi-Linear model benchmark: {env['device']} x {env['num_devices']}, JAX {env['jax']}, "
+                 f"{env['date']}")
+    lines.append(f"`{env['command']}`\n")
+    if "params" in results:
+        p = results["params"]
+        lines.append(f"- params: {p['count'] / 1e9:.3f} B, {p['bytes'] / 1e9:.2f} GB, mesh {p['mesh']}, created on "
+                     f"device in {p['init_s']:.1f} s")
+    bw = results.get("copy_bandwidth")
+    if bw:
+        parts = ", ".join(f"{k.split('_')[0]} {v / 1e12:.3f} TB/s" for k, v in bw.items() if k != "used_Bps")
+        lines.append(f"- copy bandwidth (read + write): {parts}; the roofline uses {bw['used_Bps'] / 1e12:.3f} TB/s")
+    pre = results.get("prefill")
+    if pre:
+        lines.append(f"- prefill, batch 1, {pre['prompt_len']} tokens in chunks of {pre['chunk']} (moe {pre['moe']}): "
+                     f"{pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s (compile {pre['compile_s']:.1f} s)")
+    if results.get("decode"):
+        lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
+                     f"back-to-back steps)\n")
+        lines.append("| batch | moe | TPOT ms | tokens/s | roofline ms | TPOT / roofline | synced step ms | "
+                     "distinct experts / layer (uniform) | GB / step | compile s |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in results["decode"]:
+            roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
+            lines.append(f"| {r['batch']} | {r['moe']} | {r['tpot_ms']:.3f} | {r['tokens_per_s']:.1f} | {roof} | "
+                         f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
+                         f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
+                         f"{r['compile_s']:.1f} |")
+        lines.append("\nBytes per decode step (GB): the roofline's terms (decode_bytes_per_step)\n")
+        lines.append("| batch | moe | other weights | routed experts | KDA state + conv | MLA latent cache | total |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in results["decode"]:
+            b = {k: v / 1e9 for k, v in r["bytes"].items()}
+            state = b["kda_state"] + b["kda_conv_state"]
+            whole = b["total"] - b["routed_experts"] - state - b["mla_latent_cache"]
+            lines.append(f"| {r['batch']} | {r['moe']} | {whole:.3f} | {b['routed_experts']:.3f} | {state:.3f} | "
+                         f"{b['mla_latent_cache']:.3f} | {b['total']:.3f} |")
+        for r in results["decode"]:
+            prof = r.get("profile")
+            if not prof:
+                continue
+            lines.append(f"\n### Profile, batch {r['batch']}, moe {r['moe']}")
+            if "error" in prof:
+                lines.append(f"profile unavailable: {prof['error']}")
+                continue
+            lines.append(f"device busy {prof['busy_ms']:.3f} ms of a {prof['step_ms']:.3f} ms step "
+                         f"({prof['num_ops']} ops; {prof['source']})\n")
+            lines.append("| component | ms / step | % of step |\n|---|---|---|")
+            lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} |" for c in prof["components"]]
+            lines.append("\n| op | component | kernel | ms / step | % of step |\n|---|---|---|---|---|")
+            lines += [f"| {o['op']} | {o['component']} | {(o['kernel'] or '')[:60]} | {o['ms']:.3f} | "
+                      f"{o['pct_of_step']:.1f} |" for o in prof["top_ops"]]
+    for stage, error in results["errors"].items():
+        lines.append(f"\n**stage {stage} failed**: {error}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    parser.add_argument("--config", default=None, help="model yml (default configs/kimi_linear.yml; --smoke: tiny)")
+    parser.add_argument("--smoke", action="store_true", help="tiny config and sizes: the whole script in seconds")
+    parser.add_argument("--layers", type=int, default=0, help="keep the config's first N layers (0 = all)")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of model_decode.json")
+    parser.add_argument("--prompt-len", type=int, default=4096, help="prompt tokens = decode context")
+    parser.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill call")
+    parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills after one warm-up")
+    parser.add_argument("--prefill-moe", default="ragged_dot", choices=GROUPED_MATMUL_CHOICES,
+                        help="moe_grouped_matmul of the prefill")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
+    parser.add_argument("--decode-moe", nargs="+", default=["gather"], choices=GROUPED_MATMUL_CHOICES,
+                        help="moe_grouped_matmul values to decode with (each one is a decode setting)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
+    parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")
+    parser.add_argument("--warmup", type=int, default=2, help="decode steps before timing")
+    parser.add_argument("--synced-steps", type=int, default=8, help="individually synchronized steps")
+    parser.add_argument("--profile-steps", type=int, default=3, help="decode steps traced by the profiler")
+    parser.add_argument("--top", type=int, default=20, help="ops listed per profile")
+    parser.add_argument("--trace-dir", default="", help="keep the profiler traces here (default: a deleted temp dir)")
+    parser.add_argument("--pallas-ragged-dot", action="store_true",
+                        help="lower jax.lax.ragged_dot with JAX's Pallas Triton grouped matmul on GPU "
+                             "(jax_ragged_dot_use_gpu_pallas_triton_lowering), where this JAX has it")
+    args = parser.parse_intermixed_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():  # the smoke sizes, where the command line kept the default
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    args.config = args.config or "configs/kimi_linear.yml"
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in args.stages if s not in STAGES]
+    if unknown:
+        parser.error(f"--stages {','.join(unknown)} unknown; choose from {','.join(STAGES)}")
+    if "profile" in args.stages and "decode" not in args.stages:
+        parser.error("the profile stage traces the decode settings: add 'decode' to --stages")
+    return args
+
+
+def enable_pallas_ragged_dot() -> str:
+    """Turns on JAX's Pallas Triton lowering of ragged_dot where this JAX ships it; returns what happened."""
+    try:
+        present = importlib.util.find_spec("jax._src.lax.pallas_lowerings.gpu.ragged_dot") is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present or not hasattr(jax.config, "jax_ragged_dot_use_gpu_pallas_triton_lowering"):
+        return f"not available in JAX {jax.__version__} (no jax._src.lax.pallas_lowerings.gpu.ragged_dot): XLA's"
+    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+    return "on"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    results: dict[str, Any] = {"env": environment(argv), "args": vars(args), "stages": {}, "errors": {},
+                               "decode": []}
+    if args.pallas_ragged_dot:
+        results["env"]["pallas_ragged_dot"] = enable_pallas_ragged_dot()
+        log(f"Pallas ragged_dot lowering: {results['env']['pallas_ragged_dot']}")
+    log(json.dumps(results["env"]))
+    state: dict[str, Any] = {"setup": None, "prefilled": None}
+
+    def stage(name: str, fn) -> None:
+        log(f"stage {name} ...")
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 -- record it, keep the other stages' results
+            traceback.print_exc()
+            results["errors"][name] = f"{type(e).__name__}: {str(e)[:800]}"
+            log(f"stage {name} FAILED: {results['errors'][name]}")
+        results["stages"][name] = time.perf_counter() - start
+        log(f"stage {name} done in {results['stages'][name]:.1f} s; wrote {write_json(args.out, results)}")
+
+    def copy():
+        results["copy_bandwidth"] = measure_copy_bandwidth(small=args.smoke)
+        log("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in results["copy_bandwidth"].items()))
+
+    def init():
+        state["setup"] = init_setup(args, results)
+        results["config"] = {"path": args.config, "layers": state["setup"].config.num_decoder_layers,
+                             "max_target_length": state["setup"].config.max_target_length,
+                             "overrides": list(args.overrides)}
+
+    def prefill():
+        state["prefilled"] = run_prefill(state["setup"], args, results)
+
+    def decode():
+        copy_bw = results.get("copy_bandwidth", {}).get("used_Bps")
+        for batch in args.batches:
+            for moe in args.decode_moe:
+                try:
+                    results["decode"].append(run_decode(state["setup"], args, batch, moe, state["prefilled"], copy_bw,
+                                                        "profile" in args.stages))
+                except Exception as e:  # noqa: BLE001 -- one setting failing (e.g. out of memory) leaves the others
+                    traceback.print_exc()
+                    results["errors"][f"decode B={batch} moe={moe}"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    log(f"decode B={batch} moe={moe} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                write_json(args.out, results)
+
+    if "copy" in args.stages:
+        stage("copy", copy)
+    if set(args.stages) & {"init", "prefill", "decode"}:
+        stage("init", init)
+    if state["setup"] is not None:
+        if "prefill" in args.stages:
+            stage("prefill", prefill)
+        if "decode" in args.stages:
+            stage("decode", decode)
+    kda_kernels.log("\n" + report(results))
+    log(f"wrote {write_json(args.out, results)}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["errors"] else 0)

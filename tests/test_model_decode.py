@@ -1,0 +1,118 @@
+"""benchmarks/model_decode.py: the decode-bytes roofline model by hand, the profile parsing helpers, and the whole
+script end to end on the tiny config (CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import model_decode
+from MaxText import pyconfig
+from MaxText.layers.models import KimiLinearForCausalLM
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "kimi_linear_tiny.yml")
+
+
+def test_decode_bytes_per_step_matches_a_hand_count_on_the_tiny_config():
+    # Tiny: D=64, vocab 260, 4 layers (KDA, KDA, KDA, MLA; dense MLP then 3 MoE), KDA H=2 K=V=32 W=4, MLA 2 heads
+    # nope 16 rope 8 v 16 kv_lora_rank 32 no q LoRA, mlp_dim 128, 8 experts top-2 of moe_mlp_dim 32, 1 shared.
+    # bf16 weights (2 bytes) with fp32 activations (4 bytes): the two itemsizes must not be mixed up.
+    config = pyconfig.load_config(TINY, ["weight_dtype=bfloat16", "dtype=float32"])
+    got = model_decode.decode_bytes_per_step(config, batch=2, context=10, distinct_experts_per_layer=3)
+    kda_layer = (3 * 64 * 64 + 3 * 4 * 64      # q/k/v proj, q/k/v conv
+                 + 64 * 32 + 32 * 64 + 2 + 64  # f_a, f_b, A_log, dt_bias
+                 + 64 * 2                      # b_proj
+                 + 64 * 32 + 32 * 64 + 32      # g_a, g_b, o_norm
+                 + 64 * 64)                    # o_proj
+    assert kda_layer == 25570
+    mla_layer = 64 * 2 * 24 + 64 * 40 + 32 + 32 * 2 * 32 + 2 * 16 * 64  # q, kv_a, kv_a_norm, kv_b, o
+    assert mla_layer == 9760
+    want = {
+        "embedding_rows": 2 * 64 * 2,
+        "lm_head": 64 * 260 * 2,
+        "norms": 9 * 64 * 2,
+        "kda_weights": 3 * 25570 * 2,
+        "mla_weights": 9760 * 2,
+        "dense_mlp": 3 * 64 * 128 * 2,
+        "router": 3 * (64 * 8 * 2 + 8 * 4),  # fp32 correction bias
+        "shared_experts": 3 * (3 * 64 * 32) * 2,
+        "routed_experts": 3 * 3 * (3 * 64 * 32) * 2,  # 3 MoE layers x 3 distinct experts
+        "kda_state": 3 * 2 * 2 * (2 * 32 * 32) * 4,  # read + write, 2 rows, fp32
+        "kda_conv_state": 3 * 2 * 2 * (3 * 3 * 64) * 4,  # read + write of [B, W-1, 3*H*K] fp32
+        "mla_latent_cache": 1 * 2 * 10 * 40 * 4,
+    }
+    want["total"] = sum(want.values())
+    assert got == pytest.approx(want)
+    assert want["total"] == 536_556
+    per_layer = model_decode.decode_bytes_per_step(config, 2, 10, [3, 3, 3])
+    assert per_layer == pytest.approx(got)
+    with pytest.raises(ValueError, match="3 MoE layers"):
+        model_decode.decode_bytes_per_step(config, 2, 10, [3, 3])
+
+    # Every weight once (all experts, the whole embedding table) is exactly the model's param bytes.
+    everything = model_decode.decode_bytes_per_step(config, 260, 0, config.num_experts)
+    model = KimiLinearForCausalLM(config)
+    params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32),
+                                                        model_mode="train"))["params"])
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    state = ("kda_state", "kda_conv_state", "mla_latent_cache", "total")
+    assert sum(v for k, v in everything.items() if k not in state) == param_bytes
+
+    assert model_decode.expected_distinct_experts(8, 2, 1) == pytest.approx(2.0)
+    assert model_decode.expected_distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75 ** 2))  # 3.5
+    assert model_decode.expected_distinct_experts(256, 8, 64) == pytest.approx(222.44, abs=0.01)
+
+
+def test_profile_helpers_name_ops_by_model_component():
+    config = pyconfig.load_config(TINY)  # layers: kda, kda, kda, mla; mlp: dense, moe, moe, moe
+    component = lambda op_name: model_decode.model_component(op_name, config)  # noqa: E731
+    root = "jit(decode_step)/KimiLinearForCausalLM/"
+    assert component(root + "model/layers_1/mlp/experts/mk,mkn->mn/dot_general") == "moe/experts"
+    assert component(root + "model/layers_0/mlp/down_proj/dot_general") == "dense/down_proj"
+    assert component(root + "model/layers_3/self_attn/bthr,bsr->bhts/dot_general") == "mla"
+    assert component(root + "model/layers_2/self_attn/self_attn._update_cache_and_output/self_attn._output/"
+                            "o_proj/dot_general") == "kda/o_proj"
+    assert component(root + "model/layers_2/input_layernorm/mul") == "layer norms"
+    assert component(root + "lm_head/dot_general") == "lm_head"
+    assert component("jit(decode_step)/argmax") == "outside the model (sampling, ...)"
+    hlo = ('  %fusion.3 = f32[2]{0} fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/lm_head/mul"}\n'
+           '  ROOT %wrapped_convert.5 = f32[64,8]{1,0} fusion(%params__model____layers_1____mlp____gate____kernel__.1)'
+           ', kind=kLoop\n'
+           '%fused_computation.3 (param_0: f32[2]) -> f32[2] {\n')
+    names = model_decode.hlo_op_names(hlo)
+    assert names == {"fusion.3": "jit(f)/lm_head/mul", "wrapped_convert.5": "model/layers_1/mlp/gate/kernel/(param)"}
+    assert component(names["wrapped_convert.5"]) == "moe/gate"
+    # Nested host events: a parent's own time excludes its children (and grandchildren only once).
+    assert model_decode._exclusive([(0, 10), (2, 3), (3, 1), (12, 4)]) == [7, 2, 1, 4]
+
+
+def test_smoke_run_end_to_end_on_cpu(tmp_path):
+    xla_flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()  # compiles faster
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_decode.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "model_decode.json").read_text())
+    assert results["errors"] == {}
+    assert set(results["stages"]) == {"copy", "init", "prefill", "decode"}
+    assert results["params"]["count"] > 0 and results["copy_bandwidth"]["used_Bps"] > 0
+    assert results["prefill"]["prompt_len"] == 64 and results["prefill"]["chunk"] == 32
+    assert results["prefill"]["tokens_per_s"] > 0
+    assert [(r["batch"], r["moe"]) for r in results["decode"]] == [(1, "gather"), (2, "gather")]
+    for row in results["decode"]:
+        assert row["tpot_ms"] > 0 and row["roofline_ms"] > 0 and row["cache"] == "prefill"
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3)
+        # The router's choices, counted inside the step: top-2 of 8 experts for each of 3 MoE layers.
+        assert len(row["distinct_experts_per_layer"]) == 3
+        assert all(2 <= d <= min(8, 2 * row["batch"]) for d in row["distinct_experts_per_layer"])
+        profile = row["profile"]
+        assert "error" not in profile and profile["top_ops"], profile
+        components = {c["component"] for c in profile["components"]}
+        assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
+    assert "| batch | moe | TPOT ms |" in proc.stdout and "### Profile, batch 2, moe gather" in proc.stdout
