@@ -65,6 +65,26 @@ def test_very_negative_gates_do_not_overflow():
     assert_close(s, s_ref)
 
 
+@pytest.mark.parametrize("beta", [0.5, 0.99])
+def test_near_identical_keys_stay_exact(beta):
+    """Repetitive text: every key nearly the same, large beta, almost no decay. Then A_kk is close to beta times the
+    all-ones lower triangle, whose powers grow like binomials (~1e17 at the 32nd); a solve that forms such powers
+    (the nilpotent product) returns garbage in fp32 (it did: errors of 5e4 to 3e21 x the output scale). Both the
+    chunked kernel and the Pallas prefill (interpret mode) must stay at fp32 accuracy."""
+    from MaxText.kernels.kda import pallas_ops
+    rng = np.random.default_rng(7)
+    B, T, H, K = 1, 130, 2, 32
+    k = np.tile(rng.standard_normal(K), (B, T, H, 1)) + 0.01 * rng.standard_normal((B, T, H, K))
+    inputs = dict(q=rng.standard_normal((B, T, H, K)), k=k, v=rng.standard_normal((B, T, H, K)),
+                  g=np.full((B, T, H, K), -1e-3), beta=np.full((B, T, H), beta))
+    inputs = {name: jnp.asarray(x, jnp.float32) for name, x in inputs.items()}
+    (o_ref, s_ref), (o, s) = run_both(inputs, use_qk_l2norm_in_kernel=True)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+    o_pallas, _ = pallas_ops.chunk_kda(**inputs, use_qk_l2norm_in_kernel=True, interpret=True)
+    assert_close(o_pallas, o_ref)
+
+
 @pytest.mark.parametrize("lengths", [[5, 17, 1, 41], [64, 0, 65, 3], [130]])
 def test_packed_sequences(lengths):
     """cu_seqlens packs: each sequence restarts from its own initial state; equals running each alone."""
