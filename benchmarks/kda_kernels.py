@@ -331,9 +331,13 @@ def tune_prefill():
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
     aqk_d, akk_d = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for warps in (2, 4, 8):
+    for warps in (1, 2, 4):
         timed(f"inter warps={warps}", lambda *a, w=warps: pallas_chunk.inter(*a, scale=K ** -0.5, num_warps=w),
-              qn, kn, G, v, beta, aqk_d, akk_d)
+              qn, kn, G, beta, aqk_d, akk_d)
+    _, inverse = jax.jit(lambda *a: pallas_chunk.inter(*a, scale=K ** -0.5))(qn, kn, G, beta, aqk_d, akk_d)
+    for warps in (4, 8):
+        timed(f"wu warps={warps}", lambda *a, w=warps: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w),
+              qn, kn, G, v, beta, inverse)
     intermediates = jax.jit(lambda *a: pallas_chunk.intra(*a, None, None, **intra_kw))(q, k, v, g, beta)
     for rows in (B, 1):  # all rows, and the first row alone (B=1: few programs, the serial chain dominates)
         seq = [x[:, :rows * T] for x in intermediates[:5]] + [intermediates[5][:, :rows * T // 64]]

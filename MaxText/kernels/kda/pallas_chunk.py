@@ -1,4 +1,4 @@
-"""Pallas (Triton lowering) chunked KDA prefill forward: four kernels, the math of `chunked.py`.
+"""Pallas (Triton lowering) chunked KDA prefill forward: five kernels, the math of `chunked.py`.
 
 Tokens are laid out flat, `[Ttot, H, D]`, every sequence starting on a chunk boundary (the wrapper in
 `pallas_ops.chunk_kda` pads each sequence to a multiple of C = 64 tokens), so no chunk straddles two sequences.
@@ -10,20 +10,20 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
 2. `diag` -- token-parallel, per (token t, block of heads): the 16x16 diagonal blocks of A_qk / A_kk (pairs inside
    one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
-3. `inter` -- per (chunk, head): pairs across sub-chunks I > J as one tensor-core product each, factored through
-   the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate); then
-   T = (I + diag(beta) A_kk)^-1 blockwise (forward substitution on the diagonal blocks, reading their rows from
-   memory, then the off-diagonal blocks), and writes
-       w = T (beta k e^G),  u = T (beta v),  qg = scale q e^G,  kg = k e^{G_last - G},  A_qk (scaled q),
-   in the input dtype, plus G_last (fp32) per chunk.
-4. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
+3. `inter` -- per (chunk, head), on 16-row blocks: pairs across sub-chunks I > J as one tensor-core product each,
+   factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
+   writes A_qk (scaled q) and T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: forward substitution on the
+   diagonal blocks (reading their rows from memory), then the off-diagonal blocks.
+4. `wu` -- per (chunk, head), on whole-chunk tiles: w = T (beta k e^G), u = T (beta v) (two [64, 64] x [64, K]
+   products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
+5. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
    chunks, state S [K, BV] fp32 in registers:
        v_new = u - w S;  o = qg S + A_qk v_new;  S = e^{G_last} S + kg^T v_new
    (with bf16 inputs S enters the tensor-core products as bf16, as in fla-core, accumulating in fp32; with fp32
    inputs every intermediate stays fp32 and the products use 3-pass tf32, about fp32 accuracy).
 
 All run under `interpret=True` on CPU (the tests do, at small shapes). Measured split and the open gap:
-benchmarks/RESULTS.md (the `inter` kernel's 16-row products and substitution dominate).
+benchmarks/RESULTS.md (there, w and u were still computed inside `inter` from 16-row blocks, which dominated).
 """
 
 from __future__ import annotations
@@ -131,39 +131,34 @@ def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, interpret=False)
     )(qn, kn, G)
 
 
-def _inter_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, aqkd_ref, akkd_ref,
-                  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, *, head_k, scale, precise, interpret):
+def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, inverse_ref, *, head_k, scale,
+                  precise, interpret):
     chunk, head = pl.program_id(0), pl.program_id(1)
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
     row_id = jnp.arange(SUB, dtype=jnp.int32)[:, None]  # [16, 1]
+    zero = jnp.zeros((SUB, SUB), F32)
     # G at the end of each sub-chunk (chunk-local), as [1, K] rows; the chunk's start is 0.
     ends = [jnp.zeros((1, head_k), F32)] + [G_ref[pl.ds(t0 + SUB * i + SUB - 1, 1), head, :] for i in range(NSUB)]
-    g_last = ends[NSUB]
-    glast_ref[head, pl.ds(chunk, 1), :] = g_last
 
-    # Per sub-chunk i (rows r): qg = scale q e^G, kg = k e^{G_last - G}; kb = beta k e^G for w; and the factors of
-    # the cross-sub-chunk scores, every exponent <= 0:  pair i > j = (q_i e^{G_i - end_{i-1}} e^{end_{i-1} - end_j})
-    # . (k_j e^{end_j - G_j}).
+    # Pairs of sub-chunks i > j, every exponent <= 0:
+    #   (q_i e^{G_i - end_{i-1}} e^{end_{i-1} - end_j}) . (k_j e^{end_j - G_j}).
     beta = [beta_ref[rows, head].astype(F32)[:, None] for rows in sub_rows]  # [16, 1]
-    kb, kr, aqk, akk = [], [], {}, {}
+    kr, akk = [], {}
     for i, rows in enumerate(sub_rows):
         q, k, G = qn_ref[rows, head, :].astype(F32), kn_ref[rows, head, :].astype(F32), G_ref[rows, head, :]
-        e_G = jnp.exp(G)  # [16, K]
-        qg_ref[head, rows, :] = (q * e_G * scale).astype(qg_ref.dtype)
-        kg_ref[head, rows, :] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
-        kb.append(beta[i] * k * e_G)
         kr.append(k * jnp.exp(ends[i + 1] - G))
         if i:
             local = jnp.exp(G - ends[i])
             q_loc, k_loc = q * local, k * local
-        for j in range(i):
-            between = jnp.exp(ends[i] - ends[j + 1])  # [1, K]
-            aqk[i, j] = dot(q_loc * between, kr[j], trans_b=True) * scale  # [16, 16]
-            akk[i, j] = dot(k_loc * between, kr[j], trans_b=True)
         for j in range(NSUB):
-            block = (aqkd_ref[head, rows, :] if j == i else aqk[i, j] if j < i else jnp.zeros((SUB, SUB), F32))
+            if j < i:
+                between = jnp.exp(ends[i] - ends[j + 1])  # [1, K]
+                block = dot(q_loc * between, kr[j], trans_b=True) * scale  # [16, 16]
+                akk[i, j] = dot(k_loc * between, kr[j], trans_b=True)
+            else:
+                block = aqkd_ref[head, rows, :] if j == i else zero
             aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = block.astype(aqk_ref.dtype)
 
     # T = (I + diag(beta) A_kk)^-1, blockwise. Diagonal blocks by forward substitution, reading row r of A_ii from
@@ -182,25 +177,56 @@ def _inter_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, aqkd_ref, akkd_ref,
         for j in range(NSUB - gap):
             i = j + gap
             inv[i, j] = -dot(inv[i, i], sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i)))
-
-    # w = T (beta k e^G), u = T (beta v).
     for i, rows in enumerate(sub_rows):
-        w_ref[head, rows, :] = sum(dot(inv[i, j], kb[j]) for j in range(i + 1)).astype(w_ref.dtype)
-        u = sum(dot(inv[i, j], beta[j] * v_ref[sub_rows[j], head, :].astype(F32)) for j in range(i + 1))
-        u_ref[head, rows, :] = u.astype(u_ref.dtype)
+        for j in range(NSUB):
+            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def inter(qn, kn, G, v, beta, aqk_d, akk_d, *, scale, num_warps=2, interpret=False):
-    """Kernel 3, one program per (chunk, head): cross-sub-chunk scores, the WY inverse and the recurrence inputs.
-    Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64] (in qn's dtype: bf16 or fp32); G_last
-    [H, Ttot/64, K] fp32. Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32) with fp32 inputs."""
+def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=2, interpret=False):
+    """Kernel 3, one program per (chunk, head), on 16-row blocks: the cross-sub-chunk scores and the WY inverse.
+    Returns A_qk [H, Ttot, 64] (scaled q; in qn's dtype) and T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t
+    of its chunk's 64 x 64 lower-triangular block). Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32)
+    with fp32 inputs."""
+    total, H, K = qn.shape
+    kernel = functools.partial(_inter_kernel, head_k=K, scale=scale, precise=qn.dtype == F32, interpret=interpret)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
+        grid=(total // CHUNK, H),
+        compiler_params=_params(num_warps),
+        interpret=interpret,
+        name="kda_chunk_inter",
+    )(qn, kn, G, beta, aqk_d, akk_d)
+
+
+def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
+               scale, precise, interpret):
+    chunk, head = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(chunk * CHUNK, CHUNK)
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    G = G_ref[rows, head, :]  # [C, K]
+    g_last = G_ref[pl.ds(chunk * CHUNK + CHUNK - 1, 1), head, :]  # [1, K]
+    glast_ref[head, pl.ds(chunk, 1), :] = g_last
+    e_G = jnp.exp(G)
+    qg_ref[head, rows, :] = (qn_ref[rows, head, :].astype(F32) * e_G * scale).astype(qg_ref.dtype)
+    k = kn_ref[rows, head, :].astype(F32)
+    kg_ref[head, rows, :] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
+    beta = beta_ref[rows, head].astype(F32)[:, None]  # [C, 1]
+    inverse = inverse_ref[head, rows, :]  # [C, C]
+    w_ref[head, rows, :] = dot(inverse, beta * k * e_G).astype(w_ref.dtype)
+    u_ref[head, rows, :] = dot(inverse, beta * v_ref[rows, head, :].astype(F32)).astype(u_ref.dtype)
+
+
+def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
+    """Kernel 4, one program per (chunk, head), on whole-chunk tiles: w = T (beta k e^G), u = T (beta v),
+    qg = scale q e^G, kg = k e^{G_last - G}. Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and
+    G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]
-    inter_dtype = qn.dtype
-    kernel = functools.partial(_inter_kernel, head_k=K, scale=scale, precise=inter_dtype == F32, interpret=interpret)
-    out_shape = (jax.ShapeDtypeStruct((H, total, K), inter_dtype), jax.ShapeDtypeStruct((H, total, K), inter_dtype),
-                 jax.ShapeDtypeStruct((H, total, K), inter_dtype), jax.ShapeDtypeStruct((H, total, V), inter_dtype),
-                 jax.ShapeDtypeStruct((H, total, CHUNK), inter_dtype),
+    dtype = qn.dtype
+    kernel = functools.partial(_wu_kernel, scale=scale, precise=dtype == F32, interpret=interpret)
+    out_shape = (jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, K), dtype),
+                 jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, V), dtype),
                  jax.ShapeDtypeStruct((H, total // CHUNK, K), F32))
     return pl.pallas_call(
         kernel,
@@ -208,13 +234,13 @@ def inter(qn, kn, G, v, beta, aqk_d, akk_d, *, scale, num_warps=2, interpret=Fal
         grid=(total // CHUNK, H),
         compiler_params=_params(num_warps),
         interpret=interpret,
-        name="kda_chunk_inter",
-    )(qn, kn, G, v, beta, aqk_d, akk_d)
+        name="kda_chunk_wu",
+    )(qn, kn, G, v, beta, inverse)
 
 
 def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=2, diag_heads=4, diag_warps=1,
-          interpret=False):
-    """Kernels 1-3: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
+          wu_warps=4, interpret=False):
+    """Kernels 1-4: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
     Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
     if q.dtype not in (F32, BF16):
@@ -222,8 +248,10 @@ def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=2,
     qn, kn, G = prepare(q, k, g, A_log, dt_bias, l2norm=l2norm, gate=gate, interpret=interpret)
     aqk_d, akk_d = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
                         interpret=interpret)
-    return inter(qn, kn, G, v.astype(q.dtype), beta, aqk_d, akk_d, scale=scale, num_warps=num_warps,
-                 interpret=interpret)
+    aqk, inverse = inter(qn, kn, G, beta, aqk_d, akk_d, scale=scale, num_warps=num_warps, interpret=interpret)
+    qg, kg, w, u, g_last = wu(qn, kn, G, v.astype(q.dtype), beta, inverse, scale=scale, num_warps=wu_warps,
+                              interpret=interpret)
+    return qg, kg, w, u, aqk, g_last
 
 
 def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref, offsets_ref, o_ref, ht_ref, *,
