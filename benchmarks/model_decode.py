@@ -13,8 +13,10 @@ max_target_length = prompt + every decode step the run takes); put them before t
 rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; default all):
   copy     device copy bandwidth, bytes read + written / time: benchmarks/kda_kernels.copy_bandwidth on a GPU (torch
            and JAX; the roofline uses the larger), a JAX copy timed by kda_kernels.time_jax elsewhere.
-  init     random params created directly on the device(s) in their logical-axis shardings (train.init_params: one
-           jit with out_shardings; model.init traces a [1, 1] dummy, and nothing is materialized on the host).
+  init     random params created directly on the device(s) in their logical-axis shardings, one param at a time by
+           small jitted generators (MaxText/random_init.py: ~24 compiled programs for the 48B model; nothing is
+           materialized on the host; a progress bar shows leaves and GB made). The JSON's `params` has the seconds
+           of the abstract tree, of compiling and of generating, and device 0's peak memory.
   prefill  a --prompt-len prompt (batch 1) fed --prefill-chunk tokens per jitted call, each continuing the donated
            cache (chunked prefill bounds the MoE dispatch's temporaries); median wall time of --prefill-repeats runs
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
@@ -71,10 +73,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
-from MaxText import pyconfig, sharding  # noqa: E402
+from MaxText import pyconfig, random_init, sharding  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM  # noqa: E402
 from MaxText.layers.moe import GROUPED_MATMUL_CHOICES, Router  # noqa: E402
-from MaxText.train import init_params  # noqa: E402
 
 STAGES = ("copy", "init", "prefill", "decode", "profile")
 DECODE_MODULE = "jit_decode_step"  # the XLA module name of the jitted `decode_step`
@@ -380,16 +381,16 @@ def init_setup(args, results) -> Setup:
     shardings = sharding.param_shardings(config, mesh)
     log(f"init: {config.num_decoder_layers} layers on mesh {sharding.describe_mesh(mesh)}, weight_dtype "
         f"{config.weight_dtype}, max_target_length {config.max_target_length}")
-    start = time.perf_counter()
     # An "rbg" key: XLA's RngBitGenerator makes each param's bits in place, where threefry's unfused intermediates
-    # (XLA:CPU) cost several times every param's size in temporaries (measured: 26 GB vs 0.65 GB for 2 layers).
+    # (XLA:CPU) cost several times a param's size in temporaries.
     key = jax.random.key(config.seed, impl="rbg")
-    params = jax.block_until_ready(init_params(KimiLinearForCausalLM(config), config, key, shardings, dummy_length=1))
-    leaves = jax.tree.leaves(params)
-    results["params"] = {"count": int(sum(x.size for x in leaves)), "bytes": int(sum(x.nbytes for x in leaves)),
-                         "init_s": time.perf_counter() - start, "mesh": sharding.describe_mesh(mesh)}
-    log(f"init: {results['params']['count'] / 1e9:.3f} B params, {results['params']['bytes'] / 1e9:.2f} GB, "
-        f"{results['params']['init_s']:.1f} s (compile + run){memory_note()}")
+    params, summary = random_init.random_params_on_device(config, mesh, key, shardings=shardings)
+    results["params"] = {"count": summary.num_params, "bytes": summary.num_bytes, "init_s": summary.total_s,
+                         "mesh": sharding.describe_mesh(mesh), "leaves": summary.num_leaves,
+                         "generators": summary.num_generators, "abstract_s": summary.abstract_s,
+                         "compile_s": summary.compile_s, "generate_s": summary.generate_s,
+                         "peak_bytes_in_use": summary.peak_bytes_in_use}
+    log(f"init: {summary.describe()}{memory_note()}")
     return Setup(config, mesh, shardings, params)
 
 
@@ -615,7 +616,8 @@ def report(results: dict) -> str:
     if "params" in results:
         p = results["params"]
         lines.append(f"- params: {p['count'] / 1e9:.3f} B, {p['bytes'] / 1e9:.2f} GB, mesh {p['mesh']}, created on "
-                     f"device in {p['init_s']:.1f} s")
+                     f"device in {p['init_s']:.1f} s ({p['generators']} compiled generators: compile "
+                     f"{p['compile_s']:.1f} s, generate {p['generate_s']:.1f} s)")
     bw = results.get("copy_bandwidth")
     if bw:
         parts = ", ".join(f"{k.split('_')[0]} {v / 1e12:.3f} TB/s" for k, v in bw.items() if k != "used_Bps")
