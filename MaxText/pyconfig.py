@@ -32,7 +32,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "weight_dtype": ("float32", "bfloat16"),
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather"),
     "speculative": ("none", "ngram", "draft_model"),
-    "verify_checkpoint_dtype": ("float32", "bfloat16"),
+    "verify_checkpoint_dtype": ("float32",),
     "jax_distributed_initialize": ("auto", "always", "never"),
 }
 

@@ -82,13 +82,13 @@ def placement_problems(tree, shardings) -> list[str]:
 
 def state_all_gathers(params) -> list[str]:
     """all-gather instructions in the compiled tensor=2 prefill (chunked KDA kernel) whose result has the KDA state's
-    full [B, H, K, V] shape: the kernel must run on each device's own heads."""
+    full [B, H, K, V] shape, or the cache ring's [B, S=1, H, K, V]: the kernel must run on each device's own heads."""
     cfg = config(ici_tensor_parallelism=2, kda_kernel="chunked")
     engine = Engine(cfg, params)
     tokens = jnp.zeros((2, 32), jnp.int32)
     with sharding.mesh_context(engine.mesh, cfg):
         hlo = jax.jit(engine._prefill_fn).lower(engine.params, tokens, jnp.ones_like(tokens)).compile().as_text()
-    state = rf"f32\[2,{cfg.kda_num_heads},{cfg.kda_head_dim},{cfg.kda_head_dim}\]"
+    state = rf"f32\[2,(1,)?{cfg.kda_num_heads},{cfg.kda_head_dim},{cfg.kda_head_dim}\]"
     return [line.strip()[:160] for line in hlo.splitlines() if "all-gather" in line and re.search(state, line)]
 
 

@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from MaxText import hf_weights, pyconfig
+from MaxText.layers import kda
 from MaxText.layers.kda import KimiDeltaAttention
 
 HIDDEN, HEADS, HEAD_DIM = 64, 2, 32
@@ -80,8 +81,9 @@ def apply_chunks(config, params, chunks, modes):
 
 
 def assert_same_cache(cache, expected):
-    for name in ("conv_state", "recurrent_state"):
-        np.testing.assert_allclose(cache[name], expected[name], atol=TOL, rtol=TOL)
+    """Same conv window and committed recurrent state (whatever the rings' slot counts)."""
+    np.testing.assert_allclose(cache["conv_state"], expected["conv_state"], atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(kda.committed_state(cache), kda.committed_state(expected), atol=TOL, rtol=TOL)
 
 
 def random_x(seq_len, batch=2, seed=0):
@@ -143,7 +145,7 @@ def test_rows_are_independent_and_left_padding_is_inert():
                                decoder_segment_ids=jnp.asarray(segments), mutable=["cache"])
     (alone,), alone_cache = apply_chunks(config, params, [x[1:, :30 - pad]], ["prefill"])
     np.testing.assert_allclose(np.asarray(out)[1, pad:], alone[0], atol=TOL, rtol=TOL)
-    np.testing.assert_allclose(mutated["cache"]["recurrent_state"][1], alone_cache["recurrent_state"][0],
+    np.testing.assert_allclose(kda.committed_state(mutated["cache"])[1], kda.committed_state(alone_cache)[0],
                                atol=TOL, rtol=TOL)
     (row0,), _ = apply_chunks(config, params, [x[:1]], ["prefill"])
     np.testing.assert_allclose(np.asarray(out)[0], row0[0], atol=TOL, rtol=TOL)
@@ -156,7 +158,7 @@ def test_naive_and_chunked_kernels_agree_in_the_layer():
     for kernel in ("naive", "chunked"):
         config = our_config(kda_kernel=kernel)
         (out,), cache = apply_chunks(config, our_params(layer, config), [x], ["prefill"])
-        results.append((out, cache["recurrent_state"]))
+        results.append((out, kda.committed_state(cache)))
     np.testing.assert_allclose(results[0][0], results[1][0], atol=TOL, rtol=TOL)
     np.testing.assert_allclose(results[0][1], results[1][1], atol=TOL, rtol=TOL)
 
@@ -175,7 +177,7 @@ def test_bf16_run_against_fp32_hf():
     x = random_x(256, seed=5)
     expected = hf_forward(layer, hf_config, [x])
     (out,), cache = apply_chunks(config, our_params(layer, config), [x], ["prefill"])
-    assert cache["recurrent_state"].dtype == jnp.float32
+    assert kda.committed_state(cache).dtype == jnp.float32
     rel = float(np.abs(out - expected).max() / np.abs(expected).max())
     print(f"bf16 KDA layer vs fp32 HF: max relative error {rel:.3e} (bound {BF16_BOUND})")
     assert rel <= BF16_BOUND
@@ -217,15 +219,17 @@ def interpreted_pallas(monkeypatch):
             return getattr(pallas_ops, name)(*args, interpret=True, **kwargs)
         return run
 
-    names = ("chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints")
+    names = ("chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints",
+             "recurrent_kda_ring_checkpoints")
     monkeypatch.setattr(kda_kernels, "pallas_unavailable_reason", lambda *args: None)
     monkeypatch.setattr(kda_kernels, "load_pallas", lambda: types.SimpleNamespace(**{n: interpreted(n) for n in names}))
     return calls
 
 
-def _prefill_cache(config, params, x):
+def _prefill_cache(config, params, x, state_slots=1):
+    """The layer's cache after a prefill of x, created with `state_slots` ring slots per row."""
     model = KimiDeltaAttention(config)
-    cache = model.init(jax.random.key(0), jnp.asarray(x), model_mode="prefill")["cache"]
+    cache = kda.zero_cache(model.init(jax.random.key(0), jnp.asarray(x), model_mode="prefill")["cache"], state_slots)
     return model.apply({"params": params, "cache": cache}, jnp.asarray(x), model_mode="prefill", mutable=["cache"])[1][
         "cache"]
 
@@ -256,21 +260,28 @@ def test_autoregressive_pallas_runs_the_packed_decode_kernel(interpreted_pallas)
 
 
 def test_verify_pallas_runs_the_verify_kernel(interpreted_pallas):
-    """model_mode='verify' with kda_kernel=pallas (the Pallas verify kernel) == the scan (kda_kernel=naive)."""
+    """kda_kernel=pallas: 'verify' (the Pallas kernel writing the state ring) == the scan (kda_kernel=naive) in its
+    outputs and its whole ring, the committed slot untouched; after a commit of different lengths per row, a one-token
+    decode on the packed kernel (pool = the ring, row b at b*S + state_slot[b]) == the naive decode."""
     _, layer = hf_layer()
-    x = random_x(14, seed=8)
+    x = random_x(15, seed=8)
+    state_slots = kda.verify_state_slots(4)
     results = []
     for kernel in ("naive", "pallas"):
         config = our_config(kda_kernel=kernel)
         params = our_params(layer, config)
-        cache = _prefill_cache(our_config(kda_kernel="naive"), params, x[:, :10])
-        verify = jax.jit(lambda cache, x, config=config, params=params: KimiDeltaAttention(config).apply(
-            {"params": params, "cache": cache}, x, model_mode="verify", mutable=["cache"]))
-        out, mutated = verify(cache, jnp.asarray(x[:, 10:]))
-        results.append((np.asarray(out), np.asarray(mutated["cache"]["verify_states"]),
-                        np.asarray(mutated["cache"]["recurrent_state"]), np.asarray(cache["recurrent_state"])))
-    assert interpreted_pallas["recurrent_kda_checkpoints"] >= 1
-    (want, want_states, _, _), (got, got_states, committed_after, committed_before) = results
+        model = KimiDeltaAttention(config)
+        cache = _prefill_cache(our_config(kda_kernel="naive"), params, x[:, :10], state_slots)
+        apply = jax.jit(lambda cache, x, mode, model=model, params=params: model.apply(
+            {"params": params, "cache": cache}, x, model_mode=mode, mutable=["cache"]), static_argnums=2)
+        out, mutated = apply(cache, jnp.asarray(x[:, 10:14]), "verify")
+        verified = jax.tree.map(np.asarray, mutated["cache"])
+        committed = kda.commit_verified(mutated["cache"], jnp.asarray([3, 0], jnp.int32))
+        step_out, _ = apply(committed, jnp.asarray(x[:, 14:15]), "autoregressive")
+        results.append((np.asarray(out), verified, np.asarray(step_out)))
+    assert interpreted_pallas["recurrent_kda_ring_checkpoints"] >= 1 and interpreted_pallas["packed_decode_kda"] >= 1
+    (want, want_cache, want_step), (got, got_cache, got_step) = results
     np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
-    np.testing.assert_allclose(got_states, want_states, atol=TOL, rtol=TOL)
-    np.testing.assert_array_equal(committed_after, committed_before)  # verify does not move the committed state
+    np.testing.assert_allclose(got_cache["recurrent_state"], want_cache["recurrent_state"], atol=TOL, rtol=TOL)
+    np.testing.assert_array_equal(kda.committed_state(got_cache), kda.committed_state(cache))  # verify keeps it
+    np.testing.assert_allclose(got_step, want_step, atol=TOL, rtol=TOL)

@@ -4,7 +4,8 @@ Covered in interpret mode: the chunked prefill kernels (pallas_chunk.intra + rec
 fp32 and bf16, l2norm and gate in kernel, initial / final state, T not a multiple of 64, cu_seqlens packs), the
 packed in-place decode kernel (pallas_decode, via pallas_ops.packed_decode_kda and fused_recurrent_kda) with
 padding rows, the speculative verify kernel (pallas_verify, via pallas_ops.recurrent_kda_checkpoints) with fp32 and
-bf16 checkpoints, and both serving kernels under shard_map on a 4-device CPU mesh (a subprocess). Interpret mode
+bf16 checkpoints and writing a state ring in place (recurrent_kda_ring_checkpoints), and the serving kernels under
+shard_map on a 4-device CPU mesh (a subprocess). Interpret mode
 checks the kernels' semantics; the Triton compilation and the GPU numerics (bf16 tensor cores, 3-pass tf32) are
 checked by benchmarks/kda_kernels.py and benchmarks/kda_verify.py on the GPU.
 """
@@ -19,7 +20,7 @@ from MaxText.kernels import kda as kda_kernels
 from MaxText.kernels.kda import pallas_ops
 from MaxText.kernels.kda.naive import naive_recurrent_kda
 from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference
-from MaxText.kernels.kda.verify import recurrent_kda_checkpoints
+from MaxText.kernels.kda.verify import recurrent_kda_checkpoints, recurrent_kda_ring_checkpoints
 from tests.kda_inputs import random_kda_inputs
 
 TOL = 1e-5
@@ -166,6 +167,55 @@ def test_verify_interpret_matches_scan(seq_len):
     assert np.array_equal(x["initial_state"], committed)
 
 
+def _ring_inputs(rng, batch, seq_len, num_slots, H=2, K=32, V=32):
+    """Verify inputs with a random state ring [B, S, H, K, V] and committed slots that wrap around the ring."""
+    x = random_kda_inputs(rng, batch, seq_len, H, K, V, raw_gate=True)
+    x.pop("initial_state")
+    x["state_ring"] = rng.standard_normal((batch, num_slots, H, K, V)).astype(np.float32)
+    x["state_slot"] = (np.arange(batch, dtype=np.int32) * 3 + num_slots - 2) % num_slots
+    return x
+
+
+def _all_eqns(jaxpr):
+    """The equations of a jaxpr and of every jaxpr nested in their params (jit, pallas_call, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr wraps a Jaxpr
+            if hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)
+
+
+def test_ring_verify_interpret_matches_scan_in_place():
+    """The Pallas verify kernel writing the state ring in place (the ring aliased to its output) == the scan: o, the
+    fp32 checkpoints in slots (s + 1 + t) mod S, every other slot (the committed one included) unchanged."""
+    import jax
+
+    seq_len, num_slots = 3, 5
+    x = _ring_inputs(np.random.default_rng(13), 3, seq_len, num_slots)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    o_ref, ring_ref = recurrent_kda_ring_checkpoints(**x, **kw)
+    o, ring = pallas_ops.recurrent_kda_ring_checkpoints(**x, **kw, interpret=True, block_v=16)
+    assert_close(o, o_ref)
+    assert_close(ring, ring_ref)
+    initial = x["state_ring"][np.arange(3), x["state_slot"]]
+    _, checkpoints = recurrent_kda_checkpoints(**{n: x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")},
+                                               initial_state=initial, **kw)
+    written = np.zeros((3, num_slots), bool)
+    for row, slot in enumerate(x["state_slot"]):
+        for t in range(seq_len):
+            target = (slot + 1 + t) % num_slots
+            written[row, target] = True
+            assert_close(np.asarray(ring)[row, target], checkpoints[row, t])
+    np.testing.assert_array_equal(np.asarray(ring)[~written], x["state_ring"][~written])
+    jaxpr = jax.make_jaxpr(lambda x: pallas_ops.recurrent_kda_ring_checkpoints(**x, **kw, interpret=True))(x)
+    calls = [eqn for eqn in _all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"]
+    assert [tuple(eqn.params["input_output_aliases"]) for eqn in calls] == [((8, 1),)]  # the ring, in place
+    with pytest.raises(ValueError, match=r"S=4 slots per row; verifying T=4 tokens needs S >= T \+ 1 = 5"):
+        pallas_ops.recurrent_kda_ring_checkpoints(**_ring_inputs(np.random.default_rng(0), 1, 4, 4), **kw,
+                                                  interpret=True)
+
+
 def test_packed_decode_out_dtype():
     """bf16 inputs with out_dtype=float32: the fp32 output the benchmark compares against the reference."""
     H, K, V, S = 2, 32, 32, 2
@@ -215,6 +265,8 @@ def sharded_serving_kernels_report() -> dict:
     v = random_kda_inputs(np.random.default_rng(12), B, 3, H, K, V, raw_gate=True)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
     o_v_ref, ckpt_ref = recurrent_kda_checkpoints(**v, **kw)
+    r = _ring_inputs(np.random.default_rng(13), B, 3, 5, H, K, V)
+    o_r_ref, ring_ref = recurrent_kda_ring_checkpoints(**r, **kw)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         decode = kda_kernels.partitioned(functools.partial(pallas_ops.packed_decode_kda, interpret=True),
                                          shard_map_packed_decode, rows="cache_batch")
@@ -222,9 +274,14 @@ def sharded_serving_kernels_report() -> dict:
         verify = kda_kernels.partitioned(functools.partial(pallas_ops.recurrent_kda_checkpoints, interpret=True),
                                          shard_map_verify)
         o_v, ckpt = jax.jit(lambda v: verify(**v, **kw))(v)
+        ring_verify = kda_kernels.partitioned(functools.partial(pallas_ops.recurrent_kda_ring_checkpoints,
+                                                                interpret=True), shard_map_verify, rows="cache_batch")
+        o_r, ring = jax.jit(lambda r: ring_verify(**r, **kw))(r)
     diff = lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max())  # noqa: E731
     return {"decode_o": diff(o, o_ref), "decode_pool": diff(pool, pool_ref), "verify_o": diff(o_v, o_v_ref),
-            "verify_checkpoints": diff(ckpt, ckpt_ref), "pool_spec": list(pool.sharding.spec)}
+            "verify_checkpoints": diff(ckpt, ckpt_ref), "ring_verify_o": diff(o_r, o_r_ref),
+            "ring_verify_ring": diff(ring, ring_ref), "pool_spec": list(pool.sharding.spec),
+            "ring_spec": list(ring.sharding.spec)}
 
 
 def test_packed_decode_and_verify_under_shard_map():
@@ -240,4 +297,5 @@ def test_packed_decode_and_verify_under_shard_map():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report.pop("pool_spec") == ["data", "tensor"], report  # the pool stays where the cache lies
+    assert report.pop("ring_spec") == ["data", None, "tensor"], report  # so does the verify's state ring
     assert max(report.values()) <= 1e-5, report

@@ -13,8 +13,10 @@ import pytest
 
 from MaxText import pyconfig
 from MaxText.inference.engine import Engine
+from MaxText.inference import speculative
 from MaxText.inference.speculative import NgramDrafter
-from MaxText.layers.models import KimiLinearForCausalLM, commit_verified_cache
+from MaxText.layers import kda
+from MaxText.layers.models import KimiLinearForCausalLM, commit_verified_cache, init_cache
 
 TINY = "configs/kimi_linear_tiny.yml"
 OVERRIDES = {"param_init_std": 0.08, "kda_kernel": "chunked", "kda_chunk_size": 32, "max_target_length": 128}
@@ -55,29 +57,33 @@ def other_model() -> Engine:
 # ----------------------------------------------------------------------------------------- verify + commit
 
 
-def _cache_rows(cache, row):
-    return jax.tree_util.tree_map(lambda x: np.asarray(x)[row], cache)
-
-
 def _assert_cache_row_equal(got, want, tol=1e-5):
-    """One row's cache: KDA conv / recurrent state to tol; MLA index, validity and the valid latents."""
+    """One row's cache: KDA conv window and committed state to tol; MLA index, validity and the valid latents."""
     for name, layer in want["model"].items():
         got_attn, want_attn = got["model"][name]["self_attn"], layer["self_attn"]
         if "latent" in want_attn:
-            assert int(got_attn["index"]) == int(want_attn["index"]), name
+            np.testing.assert_array_equal(got_attn["index"], want_attn["index"], err_msg=name)
             np.testing.assert_array_equal(got_attn["key_valid"], want_attn["key_valid"], err_msg=name)
             valid = want_attn["key_valid"]
             np.testing.assert_allclose(got_attn["latent"][valid], want_attn["latent"][valid], atol=tol, rtol=0)
         else:
-            assert set(got_attn) == {"conv_state", "recurrent_state"}, set(got_attn)
-            for key in ("conv_state", "recurrent_state"):
-                np.testing.assert_allclose(got_attn[key], want_attn[key], atol=tol, rtol=0, err_msg=f"{name}/{key}")
+            assert set(got_attn) == {"conv_state", "recurrent_state", "state_slot"}, set(got_attn)
+            np.testing.assert_allclose(got_attn["conv_state"], want_attn["conv_state"], atol=tol, rtol=0,
+                                       err_msg=f"{name}/conv_state")
+            np.testing.assert_allclose(kda.committed_state(got_attn), kda.committed_state(want_attn), atol=tol,
+                                       rtol=0, err_msg=f"{name}/committed state")
 
 
-@pytest.mark.parametrize("checkpoint_dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_commit_leaves_the_cache_of_decoding_only_the_accepted_tokens(checkpoint_dtype, tol):
-    """Two verify + commit rounds with per-row accepted lengths 0..k+1 == decoding each row's accepted tokens."""
-    config = _config(verify_checkpoint_dtype=checkpoint_dtype)
+def _batch_rows(cache, row):
+    """Row `row` of every cache leaf, kept as a 1-row batch (what kda.committed_state reads)."""
+    return jax.tree_util.tree_map(lambda x: np.asarray(x)[row:row + 1], cache)
+
+
+def test_commit_leaves_the_cache_of_decoding_only_the_accepted_tokens():
+    """Verify + commit rounds with per-row accepted lengths 0..k+1, each row's ring of k + 2 slots wrapping around,
+    then plain decode steps on that cache == decoding each row's accepted tokens on a plain (1-slot) cache: same
+    committed state and window to 1e-5, same decode-step logits (so the same greedy tokens)."""
+    config = _config()
     model, params = KimiLinearForCausalLM(config), target().params
     rng = np.random.default_rng(0)
     batch, lengths = 4, (9, 5, 12, 7)
@@ -87,36 +93,95 @@ def test_commit_leaves_the_cache_of_decoding_only_the_accepted_tokens(checkpoint
         prompt[row, 12 - length:] = rng.integers(0, 260, length)
         segment_ids[row, 12 - length:] = 1
 
-    @jax.jit
-    def prefill(tokens, segments):
-        return model.apply({"params": params}, tokens, model_mode="prefill", decoder_segment_ids=segments,
-                           mutable=["cache"])[1]["cache"]
+    @functools.partial(jax.jit, static_argnums=2)
+    def prefill(tokens, segments, state_slots):
+        return model.apply({"params": params, "cache": init_cache(config, batch, state_slots)}, tokens,
+                           model_mode="prefill", decoder_segment_ids=segments, mutable=["cache"])[1]["cache"]
 
     @jax.jit
     def verify_and_commit(cache, tokens, accepted):
         _, variables = model.apply({"params": params, "cache": cache}, tokens, model_mode="verify", mutable=["cache"])
-        assert "verify_states" in variables["cache"]["model"]["layers_0"]["self_attn"]
+        assert "verify_inputs" in variables["cache"]["model"]["layers_0"]["self_attn"]
         return commit_verified_cache(config, variables["cache"], accepted)
 
     @jax.jit
     def decode_step(cache, token):
-        return model.apply({"params": params, "cache": cache}, token[:, None], model_mode="autoregressive",
-                           mutable=["cache"])[1]["cache"]
+        logits, variables = model.apply({"params": params, "cache": cache}, token[:, None],
+                                        model_mode="autoregressive", mutable=["cache"])
+        return logits[:, -1], variables["cache"]
 
-    rounds = [(rng.integers(0, 260, (batch, K + 1)), np.array([0, 1, 3, K + 1])),
-              (rng.integers(0, 260, (batch, K + 1)), np.array([K + 1, 2, 0, 4]))]
-    cache = prefill(jnp.asarray(prompt), jnp.asarray(segment_ids))
+    slots = kda.verify_state_slots(K + 1)
+    accepted_per_round = [[0, 1, 3, K + 1], [K + 1, 2, 0, 4], [K + 1, K + 1, 1, 0], [3, K + 1, 0, 2]]
+    cache = prefill(jnp.asarray(prompt), jnp.asarray(segment_ids), slots)
     committed = [[] for _ in range(batch)]  # each row's accepted tokens, in order
-    for tokens, accepted in rounds:
+    for accepted in accepted_per_round:
+        tokens = rng.integers(0, 260, (batch, K + 1))
         cache = verify_and_commit(cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(accepted, jnp.int32))
         for row in range(batch):
             committed[row] += tokens[row, :accepted[row]].tolist()
+    totals = [len(c) for c in committed]
+    assert max(totals) >= slots and min(totals) < slots, totals  # some rings wrapped around, some did not
+    np.testing.assert_array_equal(cache["model"]["layers_0"]["self_attn"]["state_slot"],
+                                  np.asarray(totals) % slots)
+    after = rng.integers(0, 260, (2, batch))  # plain decode steps on the speculative (k + 2 slot) cache
+    spec_logits = []
+    for tokens in after:
+        logits, cache = decode_step(cache, jnp.asarray(tokens, jnp.int32))
+        spec_logits.append(np.asarray(logits))
 
     for row in range(batch):  # plain decoding of this row's accepted tokens (every row fed the same ones)
-        plain = prefill(jnp.asarray(prompt), jnp.asarray(segment_ids))
+        plain = prefill(jnp.asarray(prompt), jnp.asarray(segment_ids), 1)
         for token in committed[row]:
-            plain = decode_step(plain, jnp.full((batch,), token, jnp.int32))
-        _assert_cache_row_equal(_cache_rows(cache, row), _cache_rows(plain, row), tol)
+            plain = decode_step(plain, jnp.full((batch,), token, jnp.int32))[1]
+        for step, tokens in enumerate(after):
+            logits, plain = decode_step(plain, jnp.full((batch,), tokens[row], jnp.int32))
+            np.testing.assert_allclose(spec_logits[step][row], np.asarray(logits)[row], atol=1e-5, rtol=0)
+        _assert_cache_row_equal(_batch_rows(cache, row), _batch_rows(plain, row))
+
+
+def test_commit_copies_no_recurrent_state():
+    """commit_verified_cache only moves each row's ring slot: the KDA rings pass through as the very input arrays,
+    and no operation of the commit makes an array as large as one state per row (a take-and-copy commit would)."""
+    config = _config()
+    batch = 2
+    cache = init_cache(config, batch, kda.verify_state_slots(K + 1))
+    for i, kind in enumerate(config.layer_types):  # add what a 'verify' of K + 1 tokens leaves
+        layer = cache["model"][f"layers_{i}"]["self_attn"]
+        if kind == "kda":
+            conv = layer["conv_state"]
+            layer["verify_inputs"] = jnp.zeros((batch, conv.shape[1] + K + 1, conv.shape[2]), conv.dtype)
+    accepted = jnp.zeros((batch,), jnp.int32)
+    closed = jax.make_jaxpr(functools.partial(commit_verified_cache, config))(cache, accepted)
+    flat_in, _ = jax.tree_util.tree_flatten_with_path((cache, accepted))
+    flat_out, _ = jax.tree_util.tree_flatten_with_path(jax.eval_shape(
+        functools.partial(commit_verified_cache, config), cache, accepted))
+    invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+    rings = [i for i, (path, _) in enumerate(flat_out) if "recurrent_state" in jax.tree_util.keystr(path)]
+    ring_inputs = [i for i, (path, _) in enumerate(flat_in) if "recurrent_state" in jax.tree_util.keystr(path)]
+    assert len(rings) == config.layer_types.count("kda") > 0
+    assert [outvars[i] for i in rings] == [invars[i] for i in ring_inputs]  # the input rings, untouched
+    state_elements = batch * config.kda_num_heads * config.kda_head_dim ** 2
+    big = [(eqn.primitive.name, v.aval.shape) for eqn in closed.jaxpr.eqns for v in eqn.outvars
+           if np.prod(v.aval.shape) >= state_elements]
+    assert not big, big
+
+
+def test_draft_model_proposal_copies_no_cache_buffer():
+    """The draft model's k proposal steps run on its (donated) cache's own buffers: the compiled proposal holds no
+    copy of a KDA state ring or an MLA latent cache (a scratch copy of the cache, reused afterwards, holds both)."""
+    import re
+
+    engine = target()
+    drafter = speculative.DraftModelDrafter(engine, K)
+    cache = init_cache(engine.config, 2, speculative.state_slots(K))
+    propose = jax.jit(lambda params, cache, last: drafter.propose(params, cache, last, None, None), donate_argnums=1)
+    hlo = propose.lower(engine.params, cache, jnp.zeros((2,), jnp.int32)).compile().as_text()
+    layers = [layer["self_attn"] for layer in cache["model"].values()]
+    shapes = {leaf.shape for attn in layers for name, leaf in attn.items() if name in ("recurrent_state", "latent")}
+    assert len(shapes) == 2, shapes
+    copies = [line.strip()[:120] for line in hlo.splitlines() for shape in shapes
+              if re.search(rf"\[{','.join(map(str, shape))}\]\S* copy\(", line)]
+    assert not copies, copies
 
 
 # ----------------------------------------------------------------------------------------- generation
@@ -170,7 +235,7 @@ def test_ngram_drafter_continues_the_latest_match_periodically():
     history = jnp.array([[-1, -1, 7, 1, 2, 3, 9, 1, 2, -1, -1, -1],   # "1 2" matched at 3..4: drafts 3 9 1 2 3
                          [5, 6, 5, 6, 5, 6, -1, -1, -1, -1, -1, -1],  # period 2: 5 6 5 6 5
                          [-1, -1, -1, 4, 8, 0, -1, -1, -1, -1, -1, -1]], jnp.int32)  # no match: repeat the last
-    drafts = drafter.propose((), (), jnp.array([2, 6, 0]), history, jnp.array([9, 6, 6]))
+    drafts, _ = drafter.propose((), (), jnp.array([2, 6, 0]), history, jnp.array([9, 6, 6]))
     assert np.asarray(drafts).tolist() == [[3, 9, 1, 2, 3], [5, 6, 5, 6, 5], [0, 0, 0, 0, 0]]
 
 
@@ -184,7 +249,7 @@ def test_ngram_drafter_continues_the_latest_match_periodically():
     ({"num_draft_tokens": 17}, r"\[1, 16\]"),
     ({"speculative_topk": 2}, "tree drafts are not supported"),
     ({"speculative": "draft_model", "temperature": 0.0}, "needs draft_config_path"),
-    ({"verify_checkpoint_dtype": "float16"}, "allowed values: float32, bfloat16"),
+    ({"verify_checkpoint_dtype": "bfloat16"}, "'verify_checkpoint_dtype' is 'bfloat16'; allowed values: float32"),
 ])
 def test_unsupported_settings_fail_at_config_load(overrides, message):
     with pytest.raises(pyconfig.ConfigError, match=message):

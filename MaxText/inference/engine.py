@@ -27,7 +27,7 @@ import numpy as np
 from MaxText import sharding
 from MaxText.inference import speculative as spec
 from MaxText.inference.sampling import SamplingParams, check_sampling_params, sample
-from MaxText.layers.models import KimiLinearForCausalLM
+from MaxText.layers.models import KimiLinearForCausalLM, init_cache
 
 MIN_BUCKET = 64  # sequence lengths are padded to a power of two >= this, so few distinct shapes get compiled
 
@@ -99,7 +99,8 @@ class Engine:
         self._forward = sharding.jit_in_mesh(
             functools.partial(self.model.apply, model_mode="train"), self.mesh, config,
             in_shardings=({"params": self.param_shardings}, rows(2)), out_shardings=rows(3))
-        self._prefill = sharding.jit_in_mesh(self._prefill_fn, self.mesh, config,
+        # Cache shardings go by leaf name and rank, so they fit every state_slots (the KDA ring's S).
+        self._prefill = sharding.jit_in_mesh(self._prefill_fn, self.mesh, config, static_argnames=("state_slots",),
                                              in_shardings=(self.param_shardings, rows(2), rows(2)),
                                              out_shardings=(rows(2), cache_shardings))
         # The cache is donated into the decode loop (reused in place where the backend supports donation).
@@ -178,8 +179,9 @@ class Engine:
             segment_ids[row, length - len(prompt):] = 1
         tokens, segment_ids = self._rows_for_mesh(tokens), self._rows_for_mesh(segment_ids)
         start = time.perf_counter()
+        state_slots = 1 if speculative is None else spec.state_slots(num_draft_tokens)
         first_logits, cache = jax.block_until_ready(
-            self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(segment_ids)))
+            self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(segment_ids), state_slots=state_slots))
         prefilled = time.perf_counter()
         if speculative is not None:  # the draft model's prefill counts as decode time
             result = self._speculative_decoder(speculative, num_draft_tokens, draft_engine).generate(
@@ -208,9 +210,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- jitted steps
 
-    def _prefill_fn(self, params, tokens, segment_ids):
-        """tokens, segment_ids [B, L] -> (last-position logits [B, V] float32, the filled cache)."""
-        logits, variables = self.model.apply({"params": params}, tokens, model_mode="prefill",
+    def _prefill_fn(self, params, tokens, segment_ids, *, state_slots: int = 1):
+        """tokens, segment_ids [B, L] -> (last-position logits [B, V] float32, the filled cache). The cache is created
+        here with `state_slots` KDA state-ring slots per row (1 for plain decoding; speculative decoding needs one
+        per verified token more: `speculative.state_slots`)."""
+        cache = init_cache(self.config, tokens.shape[0], state_slots)
+        logits, variables = self.model.apply({"params": params, "cache": cache}, tokens, model_mode="prefill",
                                              decoder_segment_ids=segment_ids, logits_to_keep=1, mutable=["cache"])
         return logits[:, -1], variables["cache"]
 
@@ -269,9 +274,8 @@ class Engine:
         return flax.traverse_util.unflatten_dict(cast, sep="/")
 
     def _abstract_cache(self):
-        """The decode cache's structure (ShapeDtypeStructs of a 1-row, 1-token prefill); nothing is allocated."""
-        dummy = jnp.zeros((1, 1), jnp.int32)
-        return jax.eval_shape(lambda: self.model.init(jax.random.PRNGKey(0), dummy, model_mode="prefill"))["cache"]
+        """The decode cache's structure (ShapeDtypeStructs of a 1-row cache); nothing is allocated."""
+        return jax.eval_shape(lambda: init_cache(self.config, 1))
 
     def _rows_for_mesh(self, rows: np.ndarray) -> np.ndarray:
         """[B, ...] -> [B', ...]: the last row repeated until B' is a multiple of the mesh's batch shards (the extra

@@ -7,14 +7,16 @@ Each step, per batch row (`last` = the newest token, not yet in the cache):
     emit      drafts[:n] and the bonus token argmax(logits[n])       n + 1 tokens
     cache   = commit_verified_cache(cache, n + 1)                    last, drafts[:n] are now in the cache
 so the tokens are exactly those of plain greedy decoding, n + 1 per forward instead of 1. Rows accept different
-lengths; a row that has finished (eos, or max_new_tokens reached) commits 0 tokens and emits nothing.
+lengths; a row that has finished (eos, or max_new_tokens reached) commits 0 tokens and emits nothing. The caches (the
+target's and the draft model's) are created with `state_slots(k)` = k + 2 KDA state-ring slots per row, so the verify
+writes each token's state to its own slot and the commit only moves the row's committed slot (no state is copied).
 
 Drafters (both see the same greedy rule, so any drafter only changes speed, never the output):
   NgramDrafter       prompt lookup: the latest earlier occurrence of the row's last `max_ngram`..1 tokens is continued
                      (periodically, when the match runs into the present). No model.
-  DraftModelDrafter  a smaller KimiLinear model (its own config and params, same vocabulary): k greedy autoregressive
-                     steps on a scratch copy of its cache, then one 'verify' + commit over the verified tokens keeps its
-                     cache in step with the target's.
+  DraftModelDrafter  a smaller KimiLinear model (its own config and params, same vocabulary): k greedy one-token
+                     steps (verify + commit, on its cache's own buffers, then rewound), then one 'verify' + commit over
+                     the verified tokens keeps its cache in step with the target's.
 """
 
 from __future__ import annotations
@@ -26,13 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.layers.models import commit_verified_cache
+from MaxText.layers import kda
+from MaxText.layers.models import commit_verified_cache, rewind_cache
 from MaxText.pyconfig import MAX_DRAFT_TOKENS
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("ngram", "draft_model")
 NO_TOKEN = -1  # history entries that hold no token (left padding, the unwritten tail)
+
+
+def state_slots(num_draft_tokens: int) -> int:
+    """KDA state-ring slots per row the caches need: each verify scores the last token and k drafts."""
+    return kda.verify_state_slots(num_draft_tokens + 1)
 
 
 class NgramDrafter:
@@ -49,7 +57,8 @@ class NgramDrafter:
         return ()
 
     def propose(self, params, state, last, history, length):
-        """history [B, S] int32 (NO_TOKEN where empty), length [B] (tokens in it, `last` included) -> drafts [B, k].
+        """history [B, S] int32 (NO_TOKEN where empty), length [B] (tokens in it, `last` included) -> (drafts [B, k],
+        state).
 
         The longest suffix (max_ngram tokens down to 1) that occurred earlier wins, its latest occurrence first; the
         drafts are what followed it. A row with no match drafts its last token repeated.
@@ -71,7 +80,7 @@ class NgramDrafter:
         steps = jnp.arange(self.num_draft_tokens, dtype=jnp.int32)
         source = match_end[:, None] + 1 + steps[None] % period[:, None]  # [B, k]
         drafts = jnp.take_along_axis(history, jnp.clip(source, 0, size - 1), axis=1)
-        return jnp.where((match_end >= 0)[:, None] & (drafts != NO_TOKEN), drafts, last[:, None])
+        return jnp.where((match_end >= 0)[:, None] & (drafts != NO_TOKEN), drafts, last[:, None]), state
 
     def update(self, params, state, verified_tokens, accepted_len):
         return state
@@ -89,22 +98,29 @@ class DraftModelDrafter:
         return self.engine.params
 
     def init_state(self, tokens, segment_ids):
-        """The draft model's cache after prefilling the same (left-padded) prompt batch."""
-        return self.engine._prefill(self.engine.params, tokens, segment_ids)[1]
+        """The draft model's cache after prefilling the same (left-padded) prompt batch (with the verify's ring)."""
+        return self.engine._prefill(self.engine.params, tokens, segment_ids,
+                                    state_slots=state_slots(self.num_draft_tokens))[1]
 
     def propose(self, params, cache, last, history, length):
-        """k greedy autoregressive draft-model steps from `last` on a scratch copy of its cache -> drafts [B, k]."""
-        model = self.engine.model
+        """k greedy draft-model steps from `last` -> (drafts [B, k], its cache with the same committed tokens).
+
+        Each step is a one-token 'verify' + commit: its KDA state goes to the next ring slot, never to the committed
+        one (k < S = k + 2), so the steps run on the cache's own buffers and `rewind_cache` then restores every row's
+        committed position; nothing of the cache is copied (a scratch copy would cost a whole cache per step).
+        """
+        model, config = self.engine.model, self.engine.config
+        one_token = jnp.ones_like(last)
 
         def step(carry, _):
             token, scratch = carry
             logits, variables = model.apply({"params": params, "cache": scratch}, token[:, None],
-                                            model_mode="autoregressive", mutable=["cache"])
+                                            model_mode="verify", mutable=["cache"])
             token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-            return (token, variables["cache"]), token
+            return (token, commit_verified_cache(config, variables["cache"], one_token)), token
 
-        _, drafts = jax.lax.scan(step, (last, cache), None, length=self.num_draft_tokens)
-        return drafts.T  # [B, k]
+        (_, advanced), drafts = jax.lax.scan(step, (last, cache), None, length=self.num_draft_tokens)
+        return drafts.T, rewind_cache(config, advanced, cache)  # [B, k]
 
     def update(self, params, cache, verified_tokens, accepted_len):
         """Puts the accepted verified tokens into the draft cache: one 'verify' forward, then commit."""
@@ -194,7 +210,7 @@ class SpeculativeDecoder:
         def step(carry):
             last, cache, state, history, emitted, done, out, num_steps, counts = carry
             active = generating(emitted, done)  # [B]
-            drafts = drafter.propose(drafter_params, state, last, history, prompt_len + emitted)  # [B, k]
+            drafts, state = drafter.propose(drafter_params, state, last, history, prompt_len + emitted)  # [B, k]
             verified = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, k+1]
             logits, variables = model.apply({"params": params, "cache": cache}, verified, model_mode="verify",
                                             mutable=["cache"])

@@ -8,16 +8,23 @@ Reads top to bottom like the math (DESIGN.md §3; reference: HF `KimiLinearDelta
     out     = o_proj(RMSNorm_K(o) * sigmoid(g_b(g_a(x))))
 
 Param names follow the HF checkpoint (q_proj, q_conv1d, f_a_proj, A_log, dt_bias, o_norm, ...). Decode state lives in
-the `cache` collection: `conv_state` [B, W-1, 3*H*K] (the last W-1 pre-convolution q|k|v inputs, activation dtype)
-and `recurrent_state` [B, H, K, V] float32. Each batch row is an independent decode slot. When `kda_kernel` resolves
-to the Pallas decode kernel, model_mode='autoregressive' (one token) runs the packed decode kernel: it takes the conv
-output, the raw gate input and the beta logit, and updates `recurrent_state` in place (donate the cache to the step).
+the `cache` collection, one decode slot per batch row:
+  conv_state       [B, W-1, 3*H*K]    the last W-1 pre-convolution q|k|v inputs (activation dtype);
+  recurrent_state  [B, S, H, K, V]    float32: a ring of S state slots per row (S = 1 for plain decoding);
+  state_slot       [B] int32          the slot holding the row's committed state (`committed_state(cache)`).
+S is fixed when the cache is created (`models.init_cache(config, batch, state_slots)`; a cache created lazily by the
+first prefill has S = 1) and read from the cache's shape. Prefill and one-token decode read and write the committed
+slot only (S = 1: a reshape, so plain decoding costs what it did without the ring). When `kda_kernel` resolves to the
+Pallas decode kernel, model_mode='autoregressive' (one token) runs the packed decode kernel with the ring as its pool
+(pool row b*S + state_slot[b]): it takes the conv output, the raw gate input and the beta logit, and updates the state
+in place (donate the cache to the step).
 
-model_mode='verify' (speculative decoding) scores T draft tokens from the committed state without changing it, and
-writes per-token checkpoints: `verify_inputs` [B, W-1+T, 3*H*K] (the conv window followed by the drafts' pre-conv
-inputs: the window after accepting `a` tokens is its slice [a, a+W-1)) and `verify_states` [B, T, H, K, V]
-(`verify_checkpoint_dtype`; the state after each token). `commit_verified(layer_cache, accepted_len)` then makes the
-accepted checkpoint the committed state and drops the checkpoints.
+model_mode='verify' (speculative decoding) scores T draft tokens from the committed state without changing it. It
+needs S >= T + 1 (`verify_state_slots(T)`): token t's post-state (float32) goes to ring slot (s + 1 + t) mod S, never
+to the committed slot s (`kernels.kda.recurrent_kda_ring_checkpoints`, in place on the Pallas kernel), and the conv
+inputs go to `verify_inputs` [B, W-1+T, 3*H*K] (the conv window followed by the drafts' pre-conv inputs: the window
+after accepting `a` tokens is its slice [a, a+W-1)). `commit_verified(layer_cache, accepted_len)` then moves
+`state_slot` to (s + a) mod S and slices the window: no recurrent state is copied.
 """
 
 from __future__ import annotations
@@ -37,11 +44,49 @@ MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
 # fall on head boundaries; it is small ((W-1) * 3*H*K per row) and stays whole on each tensor shard.
 CACHE_LOGICAL_AXES = {
     "conv_state": ("cache_batch", None, None),
-    "recurrent_state": ("cache_batch", "kda_heads", None, None),
+    "recurrent_state": ("cache_batch", None, "kda_heads", None, None),  # [B, S, H, K, V]: the slots of a row together
+    "state_slot": ("cache_batch",),
     "verify_inputs": ("cache_batch", None, None),
-    "verify_states": ("cache_batch", None, "kda_heads", None, None),
 }
 HEAD_ACTIVATION_AXES = ("batch", "length", "kda_heads", None)  # q, k, v, g, o: [B, T, H, K]
+
+
+def verify_state_slots(num_verify_tokens: int) -> int:
+    """Ring slots per row a 'verify' of `num_verify_tokens` tokens needs: the committed state plus one per token."""
+    return num_verify_tokens + 1
+
+
+def read_slot(state_ring, state_slot):
+    """state_ring [B, S, H, K, V], state_slot [B] -> the state in each row's slot [B, H, K, V] (S = 1: a reshape)."""
+    if state_ring.shape[1] == 1:
+        return state_ring[:, 0]
+    return jax.vmap(lambda ring, slot: jax.lax.dynamic_index_in_dim(ring, slot, keepdims=False))(state_ring, state_slot)
+
+
+def write_slot(state_ring, state_slot, state):
+    """The ring with each row's slot `state_slot[b]` set to state[b] [H, K, V] (S = 1: a reshape)."""
+    if state_ring.shape[1] == 1:
+        return state[:, None]
+    return jax.vmap(lambda ring, slot, new: jax.lax.dynamic_update_index_in_dim(ring, new, slot, 0))(
+        state_ring, state_slot, state)
+
+
+def zero_cache(cache, state_slots: int = 1):
+    """Zeros shaped like `cache` (a tree of arrays or ShapeDtypeStructs: one KDA layer's cache or a whole model's),
+    except that every KDA `recurrent_state` becomes a ring of `state_slots` slots per row, [B, S, H, K, V] float32.
+    An empty cache: each row's committed state is slot 0 (`state_slot` zeros) and all zero."""
+    def zeros(path, leaf):
+        shape = tuple(leaf.shape)
+        if str(getattr(path[-1], "key", path[-1])) == "recurrent_state":
+            shape = (shape[0], state_slots) + shape[2:]
+        return jnp.zeros(shape, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(zeros, cache)
+
+
+def committed_state(layer_cache):
+    """The committed recurrent state [B, H, K, V] float32 of a KDA layer's cache (the ring's slot `state_slot`)."""
+    return read_slot(layer_cache["recurrent_state"], layer_cache["state_slot"])
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):
@@ -142,11 +187,12 @@ class KimiDeltaAttention(nn.Module):
                                        for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
             window = jnp.zeros((batch, width - 1, 3 * qkv_dim), dtype)
-            conv_state = recurrent_state = None
-        else:
+            conv_state = state_ring = state_slot = None
+        else:  # created lazily with one ring slot; models.init_cache creates more
             conv_state = self.variable("cache", "conv_state", jnp.zeros, (batch, width - 1, 3 * qkv_dim), dtype)
-            recurrent_state = self.variable("cache", "recurrent_state", jnp.zeros,
-                                            (batch, num_heads, head_dim, head_dim), jnp.float32)
+            state_ring = self.variable("cache", "recurrent_state", jnp.zeros,
+                                       (batch, 1, num_heads, head_dim, head_dim), jnp.float32)
+            state_slot = self.variable("cache", "state_slot", jnp.zeros, (batch,), jnp.int32)
             window = conv_state.value
         # Packed training rows restart the convolution and the recurrence at each document boundary; in prefill,
         # zeroed (left-)padding already leaves the zero state untouched.
@@ -164,13 +210,17 @@ class KimiDeltaAttention(nn.Module):
         if (model_mode == "autoregressive" and seq_len == 1
                 and kda_kernels.resolve(cfg.kda_kernel, "decode", head_dim, head_dim) == "pallas"):
             # Serving decode: the packed kernel takes the conv output, raw gate and beta logit as they are and updates
-            # the cache's state in place (the pool is the cache itself, row b = slot b; donate the cache to the jitted
-            # step for a true in-place update).
-            o, final_state = kda_kernels.packed_decode_kda(
-                mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias, recurrent_state.value,
-                jnp.arange(batch, dtype=jnp.int32), num_heads=num_heads, head_dim=head_dim,
-                implementation=cfg.kda_kernel)  # o: [B, H, V]
-            return self._update_cache_and_output(x, o[:, None], conv_state, new_window, recurrent_state, final_state)
+            # the cache's state in place (the pool is the ring itself, row b's committed state at pool row
+            # b*S + state_slot[b]; donate the cache to the jitted step for a true in-place update).
+            ring = state_ring.value
+            num_slots = ring.shape[1]
+            pool_rows = jnp.arange(batch, dtype=jnp.int32) * num_slots + state_slot.value
+            o, pool = kda_kernels.packed_decode_kda(
+                mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias,
+                ring.reshape(batch * num_slots, *ring.shape[2:]), pool_rows, num_heads=num_heads,
+                head_dim=head_dim, implementation=cfg.kda_kernel)  # o: [B, H, V]; pool: [B*S, H, K, V]
+            return self._update_cache_and_output(x, o[:, None], conv_state, new_window, state_ring,
+                                                 pool.reshape(ring.shape))
 
         qkv = mixed_qkv.reshape(batch, seq_len, 3, num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, K]
@@ -181,29 +231,35 @@ class KimiDeltaAttention(nn.Module):
         beta = nn.with_logical_constraint(beta, HEAD_ACTIVATION_AXES[:3])
 
         if model_mode == "verify":
-            o, checkpoints = kda_kernels.recurrent_kda_checkpoints(
-                q, k, v, g_raw, beta, implementation=cfg.kda_kernel, initial_state=recurrent_state.value,
-                checkpoint_dtype=jnp.dtype(cfg.verify_checkpoint_dtype), use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)  # [B, T, H, V], [B, T, H, K, V]
+            if state_ring.value.shape[1] < verify_state_slots(seq_len):
+                raise ValueError(
+                    f"model_mode='verify' of T={seq_len} tokens needs a KDA state ring of S >= "
+                    f"{verify_state_slots(seq_len)} slots per row, but the cache has S={state_ring.value.shape[1]}; "
+                    f"create it with models.init_cache(config, batch, state_slots=kda.verify_state_slots(T))")
+            o, ring = kda_kernels.recurrent_kda_ring_checkpoints(
+                q, k, v, g_raw, beta, implementation=cfg.kda_kernel, state_ring=state_ring.value,
+                state_slot=state_slot.value, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                dt_bias=dt_bias)  # [B, T, H, V], [B, S, H, K, V]
             if not self.is_initializing():
                 self.put_variable("cache", "verify_inputs",
                                   jnp.concatenate([window, qkv_pre.astype(window.dtype)], axis=1))  # [B, W-1+T, C]
-                self.put_variable("cache", "verify_states", checkpoints)
+                state_ring.value = nn.with_logical_constraint(ring, CACHE_LOGICAL_AXES["recurrent_state"])
             return self._output(x, o)
         kernel_fn = kda_kernels.fused_recurrent_kda if model_mode == "autoregressive" else kda_kernels.chunk_kda
         o, final_state = kernel_fn(
             q, k, v, g_raw, beta, implementation=cfg.kda_kernel,
-            initial_state=None if recurrent_state is None else recurrent_state.value,
-            output_final_state=recurrent_state is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            initial_state=None if state_ring is None else read_slot(state_ring.value, state_slot.value),
+            output_final_state=state_ring is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size,
             **({} if train_segments is None else {"segment_ids": train_segments}))  # o: [B, T, H, V]
-        return self._update_cache_and_output(x, o, conv_state, new_window, recurrent_state, final_state)
+        new_ring = None if state_ring is None else write_slot(state_ring.value, state_slot.value, final_state)
+        return self._update_cache_and_output(x, o, conv_state, new_window, state_ring, new_ring)
 
-    def _update_cache_and_output(self, x, o, conv_state, new_window, recurrent_state, final_state):
-        """Stores the new conv window and recurrent state (prefill / autoregressive), then `_output(x, o)`."""
-        if recurrent_state is not None and not self.is_initializing():
+    def _update_cache_and_output(self, x, o, conv_state, new_window, state_ring, new_ring):
+        """Stores the new conv window and state ring (prefill / autoregressive), then `_output(x, o)`."""
+        if state_ring is not None and not self.is_initializing():
             conv_state.value = nn.with_logical_constraint(new_window, CACHE_LOGICAL_AXES["conv_state"])
-            recurrent_state.value = nn.with_logical_constraint(final_state, CACHE_LOGICAL_AXES["recurrent_state"])
+            state_ring.value = nn.with_logical_constraint(new_ring, CACHE_LOGICAL_AXES["recurrent_state"])
         return self._output(x, nn.with_logical_constraint(o, HEAD_ACTIVATION_AXES))
 
     def _output(self, x, o):
@@ -219,20 +275,19 @@ class KimiDeltaAttention(nn.Module):
 
 
 def commit_verified(layer_cache, accepted_len):
-    """The KDA cache after a 'verify' call, as if only the first `accepted_len[b]` draft tokens had been decoded.
+    """The KDA cache after a 'verify' call, as if only the first `accepted_len[b]` verified tokens had been decoded.
 
-    layer_cache: {conv_state, recurrent_state, verify_inputs, verify_states}; accepted_len: [B] int32 in [0, T]
-    (0 keeps the row's state). No state is recomputed: the window is a slice of `verify_inputs` and the recurrent
-    state is the accepted token's checkpoint (one [H, K, V] state per row, cast to float32). Returns the cache without
-    the verify entries (the same structure as before the 'verify' call).
+    layer_cache: {conv_state, recurrent_state, state_slot, verify_inputs}; accepted_len: [B] int32 in [0, T]
+    (0 keeps the row's state). Nothing is recomputed and no recurrent state is copied: the verify left token t's
+    state in ring slot (s + 1 + t) mod S, so the row's committed slot just moves to (s + a) mod S; the window is a
+    slice of `verify_inputs`. `recurrent_state` passes through as the same array. Returns the cache without the
+    verify entry (the same structure as before the 'verify' call).
     """
     cache = dict(layer_cache)
-    inputs, checkpoints = cache.pop("verify_inputs"), cache.pop("verify_states")  # [B, W-1+T, C], [B, T, H, K, V]
+    inputs = cache.pop("verify_inputs")  # [B, W-1+T, C]
     window_len = cache["conv_state"].shape[1]
     cache["conv_state"] = jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, window_len))(
         inputs, accepted_len)  # [B, W-1, C]
-    slot = jnp.maximum(accepted_len - 1, 0)[:, None, None, None, None]
-    accepted_state = jnp.take_along_axis(checkpoints, slot, axis=1)[:, 0].astype(jnp.float32)  # [B, H, K, V]
-    cache["recurrent_state"] = jnp.where((accepted_len > 0)[:, None, None, None], accepted_state,
-                                         cache["recurrent_state"])
+    num_slots = cache["recurrent_state"].shape[1]
+    cache["state_slot"] = ((cache["state_slot"] + accepted_len) % num_slots).astype(jnp.int32)
     return cache

@@ -52,13 +52,28 @@ class KimiLinearForCausalLM(nn.Module):
         return logits.astype(jnp.float32)
 
 
+def init_cache(config: ml_collections.FrozenConfigDict, batch: int, state_slots: int = 1):
+    """The zero decode cache (`cache` collection) for `batch` rows, as a prefill from no cache would create it, with
+    `state_slots` KDA state-ring slots per row: 1 for plain decoding, `kda.verify_state_slots(T)` = T + 1 for
+    speculative decoding that verifies T tokens per 'verify' call (every state slot is zero, state_slot 0).
+
+    Usable inside jit (shapes are computed abstractly; only the zeros are materialized).
+    """
+    if isinstance(state_slots, bool) or not isinstance(state_slots, int) or state_slots < 1:
+        raise ValueError(f"state_slots={state_slots!r}; it must be an int >= 1")
+    model = KimiLinearForCausalLM(config)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((batch, 1), jnp.int32),
+                                                 model_mode="prefill")["cache"])
+    return kda.zero_cache(abstract, state_slots)
+
+
 def commit_verified_cache(config: ml_collections.FrozenConfigDict, cache, accepted_len: jax.Array):
     """The model's cache after a model_mode='verify' call, committed to the first `accepted_len[b]` verified tokens.
 
     cache: the `cache` collection the 'verify' call returned; accepted_len: [B] int32 in [0, T] (0 leaves a row as it
     was before the call). A pure function: the result equals the cache of decoding only the accepted tokens (KDA: the
-    accepted checkpoint becomes the state; MLA: per-row write index and validity), with the verify-only entries
-    removed, so it has the structure of a prefill / autoregressive cache.
+    row's committed ring slot moves to the accepted token's checkpoint, no state is copied; MLA: per-row write index
+    and validity), with the verify-only entries removed, so it has the structure of a prefill / autoregressive cache.
     """
     commit = {"kda": kda.commit_verified, "mla": mla.commit_verified}
     layers = dict(cache["model"])
@@ -67,3 +82,21 @@ def commit_verified_cache(config: ml_collections.FrozenConfigDict, cache, accept
         layer["self_attn"] = commit[kind](layer["self_attn"], accepted_len)
         layers[f"layers_{i}"] = layer
     return {**cache, "model": layers}
+
+
+def rewind_cache(config: ml_collections.FrozenConfigDict, advanced, committed):
+    """The cache `committed`, assembled without copying its large buffers from `advanced`: the same cache after at
+    most S - 1 one-token 'verify' + `commit_verified_cache` steps (a scratch continuation, e.g. a draft model's
+    proposal, S = the KDA ring's slots). Those steps wrote KDA states only into ring slots after each row's committed
+    slot, and MLA latents only at or past each row's write index (positions the next 'verify' rewrites before it
+    reads them), so the KDA rings and MLA latents are taken from `advanced` and every row's position (conv window,
+    ring slot, MLA index and validity) from `committed`.
+    """
+    advanced_buffer = {"kda": "recurrent_state", "mla": "latent"}
+    layers = dict(committed["model"])
+    for i, kind in enumerate(config.layer_types):
+        name = f"layers_{i}"
+        attn = {**layers[name]["self_attn"]}
+        attn[advanced_buffer[kind]] = advanced["model"][name]["self_attn"][advanced_buffer[kind]]
+        layers[name] = {**layers[name], "self_attn": attn}
+    return {**committed, "model": layers}

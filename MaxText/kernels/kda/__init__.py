@@ -8,6 +8,8 @@
                                 implementation="auto")          # serving decode, pool updated in place (pallas)
     o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, checkpoint_dtype=...,
                                                implementation="auto")  # speculative verify
+    o, state_ring = recurrent_kda_ring_checkpoints(q, k, v, g, beta, state_ring=R, state_slot=s,
+                                                   implementation="auto")  # verify into the state ring (in place)
 
 Implementations (config key `kda_kernel`):
   naive   -- token-by-token fp32 `lax.scan` (naive.py): the oracle.
@@ -15,8 +17,8 @@ Implementations (config key `kda_kernel`):
   pallas  -- GPU kernels (pallas_*.py), only where they import and support the platform and shape.
   auto    -- pallas where supported, else chunked for prefill (`chunk_kda`) and naive for decode
              (`fused_recurrent_kda`). The choice is logged once per distinct outcome.
-`packed_decode_kda` and `recurrent_kda_checkpoints` resolve like decode: the Pallas kernel, or their plain-JAX versions
-(`packed_decode.packed_decode_kda_reference`, the `verify.py` scan) for every other implementation.
+`packed_decode_kda` and the two verify functions resolve like decode: the Pallas kernel, or their plain-JAX versions
+(`packed_decode.packed_decode_kda_reference`, the `verify.py` scans) for every other implementation.
 Under a multi-device mesh the Pallas kernels run under shard_map (`partitioned`).
 """
 
@@ -139,5 +141,16 @@ def recurrent_kda_checkpoints(q, k, v, g, beta, *, implementation: str = "auto",
     return verify.recurrent_kda_checkpoints(q, k, v, g, beta, **kwargs)
 
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints", "naive_recurrent_kda",
-           "chunked_kda", "resolve", "KERNEL_CHOICES"]
+def recurrent_kda_ring_checkpoints(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
+    """Speculative verify into each row's state ring (the KDA block's cache; arguments and results: verify.py). The
+    Pallas kernel (ring updated in place) where `implementation` resolves to it for decode, else the fp32 scan with
+    a gather and a scatter. Under a mesh, rows shard over 'cache_batch' (the ring is the cache) and heads over
+    'kda_heads'."""
+    if resolve(implementation, "decode", q.shape[-1], v.shape[-1]) == "pallas":
+        return partitioned(load_pallas().recurrent_kda_ring_checkpoints, verify.shard_map_verify,
+                           rows="cache_batch")(q, k, v, g, beta, **kwargs)
+    return verify.recurrent_kda_ring_checkpoints(q, k, v, g, beta, **kwargs)
+
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints",
+           "recurrent_kda_ring_checkpoints", "naive_recurrent_kda", "chunked_kda", "resolve", "KERNEL_CHOICES"]

@@ -6,11 +6,12 @@
     o, new_pool = packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                     num_heads=H, head_dim=K, scale=None)        # serving decode (seed 004)
     o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, **kwargs)  # verify: pallas_verify.py
+    o, state_ring = recurrent_kda_ring_checkpoints(q, k, v, g, beta, state_ring=R, state_slot=s, **kwargs)  # in place
 
 All are GPU kernels written with the Pallas Triton lowering. Each takes `interpret=False`; with True they run in
 the Pallas interpreter on any backend (the CPU tests use that at small shapes). Semantics are those of
 `naive.naive_recurrent_kda`, `packed_decode.packed_decode_kda_reference` and
-`verify.recurrent_kda_checkpoints`.
+`verify.recurrent_kda_checkpoints` / `verify.recurrent_kda_ring_checkpoints`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify
+from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify, verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
 from MaxText.kernels.kda.packed_decode import check_packed_inputs
 
@@ -204,14 +205,9 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      interpret=interpret)
 
 
-def recurrent_kda_checkpoints(q, k, v, g, beta, *, initial_state, checkpoint_dtype=jnp.float32, scale=None,
-                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                              interpret=False, block_v: int | None = None, num_warps: int = 4):
-    """Speculative verify on the Pallas kernel (pallas_verify.py): T draft tokens from `initial_state`, each token's
-    post-state kept. Same arguments and results as `verify.recurrent_kda_checkpoints`: q, k, g [B, T, H, K];
-    v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32 (unchanged). Returns (o [B, T, H, V] in q's
-    dtype, checkpoints [B, T, H, K, V] in `checkpoint_dtype`; the recurrence runs in float32).
-    """
+def _verify_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                    dt_bias, block_v):
+    """Shape checks shared with the scan (abstract values only), and the kernel's gate params and static options."""
     jax.eval_shape(functools.partial(prepare_inputs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                      use_gate_in_kernel=use_gate_in_kernel),
                    q, k, v, g, beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
@@ -222,7 +218,43 @@ def recurrent_kda_checkpoints(q, k, v, g, beta, *, initial_state, checkpoint_dty
         block_v = 32 if batch < 32 else 64
     A_log = jnp.zeros((H,), jnp.float32) if A_log is None else A_log
     dt_bias = jnp.zeros((H * K,), jnp.float32) if dt_bias is None else dt_bias
-    return pallas_verify.verify_step(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, scale=K ** -0.5 if scale is None else float(scale),
-        checkpoint_dtype=jnp.dtype(checkpoint_dtype), gate_in_kernel=use_gate_in_kernel,
-        l2norm_in_kernel=use_qk_l2norm_in_kernel, block_v=min(block_v, V), num_warps=num_warps, interpret=interpret)
+    options = dict(scale=K ** -0.5 if scale is None else float(scale), gate_in_kernel=use_gate_in_kernel,
+                   l2norm_in_kernel=use_qk_l2norm_in_kernel, block_v=min(block_v, V))
+    return A_log, dt_bias, options
+
+
+def recurrent_kda_checkpoints(q, k, v, g, beta, *, initial_state, checkpoint_dtype=jnp.float32, scale=None,
+                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                              interpret=False, block_v: int | None = None, num_warps: int = 4):
+    """Speculative verify on the Pallas kernel (pallas_verify.py): T draft tokens from `initial_state`, each token's
+    post-state kept. Same arguments and results as `verify.recurrent_kda_checkpoints`: q, k, g [B, T, H, K];
+    v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32 (unchanged). Returns (o [B, T, H, V] in q's
+    dtype, checkpoints [B, T, H, K, V] in `checkpoint_dtype`; the recurrence runs in float32).
+    """
+    A_log, dt_bias, options = _verify_options(
+        q, k, v, g, beta, initial_state, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, block_v=block_v)
+    return pallas_verify.verify_step(q, k, v, g, beta, A_log, dt_bias, initial_state, None, in_ring=False,
+                                     checkpoint_dtype=jnp.dtype(checkpoint_dtype), num_warps=num_warps,
+                                     interpret=interpret, **options)
+
+
+def recurrent_kda_ring_checkpoints(q, k, v, g, beta, *, state_ring, state_slot, scale=None,
+                                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                   interpret=False, block_v: int | None = None, num_warps: int = 4):
+    """Speculative verify into the per-row state ring, in place (pallas_verify.py). Same arguments and results as
+    `verify.recurrent_kda_ring_checkpoints`: state_ring [B, S, H, K, V] float32 (S >= T + 1), state_slot [B] int32;
+    returns (o [B, T, H, V] in q's dtype, the ring with token t's state in slot (s + 1 + t) mod S). The ring is
+    aliased to the output: under `jax.jit`, donate it (the inner jit does) and the update happens in its buffer.
+    """
+    batch, seq_len, H, K = q.shape
+    verify.check_state_ring(state_ring, state_slot, batch, seq_len, H, K, v.shape[-1])
+    committed = jax.ShapeDtypeStruct((batch, H, K, v.shape[-1]), jnp.float32)  # the slot read, for the checks
+    A_log, dt_bias, options = _verify_options(
+        q, k, v, g, beta, committed, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, block_v=block_v)
+    return pallas_verify.ring_verify_step(q, k, v, g, beta, A_log, dt_bias, state_ring, state_slot, in_ring=True,
+                                          checkpoint_dtype=jnp.dtype(jnp.float32), num_warps=num_warps,
+                                          interpret=interpret, **options)
