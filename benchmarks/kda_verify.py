@@ -5,7 +5,10 @@
 Verify = T tokens (the drafts + 1) from each row's committed state, every token's post-state written to a checkpoint
 buffer [B, T, H, K, V] (fp32 here), the committed state unchanged. Shapes: B in {1, 8, 64}, T in {4, 8}, H=32,
 K=V=128, gate and l2norm in the kernel (as the KDA block calls it).
-  pallas = pallas_ops.recurrent_kda_checkpoints (pallas_verify.py); xla = verify.recurrent_kda_checkpoints (scan).
+  pallas = pallas_ops.recurrent_kda_checkpoints (pallas_verify.py, a fresh checkpoint buffer);
+  pallas ring = pallas_ops.recurrent_kda_ring_checkpoints, what the KDA block runs: the committed state in slot 0
+  of a per-row ring of T + 1 fp32 slots, token t's state written in place into slot t + 1 (ring donated; REPEATS
+  verifies chained through it); xla = verify.recurrent_kda_checkpoints (scan).
 Correctness: fp32 inputs; both against the naive oracle (naive_recurrent_kda: o over all T tokens, and the final
 state of each prefix 1..T as token t's checkpoint); max abs error. Bound: 1e-4.
 Timing: the method of benchmarks/kda_kernels.py (its `time_jax`, imported): median wall clock per block of
@@ -53,16 +56,55 @@ def verify_inputs(key, B, T, H, K, dtype):
                 initial_state=0.1 * jax.random.normal(ks[7], (B, H, K, K), jnp.float32))
 
 
+def as_checkpoints(ring_fn):
+    """A ring verify (`recurrent_kda_ring_checkpoints` signature) as a `recurrent_kda_checkpoints` one: a ring of
+    T + 1 slots with the committed state in slot 0; token t's state comes back from slot t + 1."""
+    def fn(q, k, v, g, beta, *, initial_state, checkpoint_dtype=jnp.float32, **kwargs):
+        ring = jnp.zeros((q.shape[0], q.shape[1] + 1) + initial_state.shape[1:], jnp.float32).at[:, 0].set(
+            initial_state)
+        o, ring = ring_fn(q, k, v, g, beta, state_ring=ring, state_slot=jnp.zeros((q.shape[0],), jnp.int32),
+                          **kwargs)
+        return o, ring[:, 1:].astype(checkpoint_dtype)
+    return fn
+
+
 def implementations(interpret, sweep):
-    """name -> verify fn with the `recurrent_kda_checkpoints` signature."""
+    """name -> verify fn with the `recurrent_kda_checkpoints` signature. `pallas_ring` is what the KDA block runs:
+    the ring verify, in place (timed by `time_ring`)."""
     if not sweep:
         variants = {"pallas": {}}
     else:
         variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw) for bv in (32, 64, 128) for nw in (4, 8)}
     impls = {name: functools.partial(pallas_ops.recurrent_kda_checkpoints, interpret=interpret, **opts)
              for name, opts in variants.items()}
+    impls["pallas_ring"] = as_checkpoints(functools.partial(pallas_ops.recurrent_kda_ring_checkpoints,
+                                                            interpret=interpret))
     impls["xla"] = verify.recurrent_kda_checkpoints
     return impls
+
+
+def time_ring(x, T, interpret):
+    """Seconds per in-place ring verify: REPEATS verifies chained through one donated ring (T + 1 slots, committed
+    slot 0), so each reads the committed state and writes T slots of the same buffer, as the KDA block does."""
+    B = x["q"].shape[0]
+    slot = jnp.zeros((B,), jnp.int32)
+    ring_fn = functools.partial(pallas_ops.recurrent_kda_ring_checkpoints, interpret=interpret, **KERNEL_FLAGS)
+    inputs = {n: a for n, a in x.items() if n != "initial_state"}
+
+    def run(ring, inputs):
+        acc = jnp.float32(0)
+        for i in range(REPEATS):
+            q = inputs["q"] * jnp.asarray(1.0 + i * 2.0 ** -8, inputs["q"].dtype)
+            o, ring = ring_fn(**{**inputs, "q": q}, state_ring=ring, state_slot=slot)
+            acc = acc + o[0, -1, 0, 0].astype(jnp.float32)
+        return ring, acc
+    step = jax.jit(run, donate_argnums=0)
+    holder = [jnp.zeros((B, T + 1) + x["initial_state"].shape[1:], jnp.float32).at[:, 0].set(x["initial_state"])]
+
+    def call():
+        holder[0], acc = step(holder[0], inputs)
+        return acc
+    return time_jax(call, blocks=3 if interpret else 7) / REPEATS
 
 
 def max_errors(fn, x, T):
@@ -101,7 +143,8 @@ def benchmark_verify(shapes=SHAPES, heads=HEADS, head_dim=HEAD_DIM, dtype=jnp.bf
         traffic = B * heads * head_dim * head_dim * 4 * (1 + T)  # state read + T fp32 checkpoints written
         for name, fn in implementations(interpret, sweep).items():
             row[f"{name}_err_o"], row[f"{name}_err_ckpt"] = max_errors(fn, x32, T)
-            row[f"{name}_s"] = time_jax(repeated(fn), x, blocks=3 if interpret else 7) / REPEATS
+            row[f"{name}_s"] = (time_ring(x, T, interpret) if name == "pallas_ring"
+                                else time_jax(repeated(fn), x, blocks=3 if interpret else 7) / REPEATS)
             row[f"{name}_tbps"] = traffic / row[f"{name}_s"] / 1e12
             log(f"  verify B={B} T={T} {name}: {row[f'{name}_s'] * 1e6:.1f} us, {row[f'{name}_tbps']:.2f} TB/s, "
                 f"max abs err o {row[f'{name}_err_o']:.1e}, checkpoints {row[f'{name}_err_ckpt']:.1e}")
@@ -112,14 +155,17 @@ def benchmark_verify(shapes=SHAPES, heads=HEADS, head_dim=HEAD_DIM, dtype=jnp.bf
 def print_table(rows):
     log(f"\n## verify (H={rows[0]['H']}, K=V={rows[0]['K']}, {rows[0]['dtype']} inputs, fp32 checkpoints; "
         f"us per verify; max abs error vs naive on fp32 inputs, bound {ERROR_BOUND:g})")
-    log("| B | T | pallas | xla scan | xla/pallas | pallas traffic | err pallas o / ckpt | err xla o / ckpt |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("| B | T | pallas | pallas ring (in place) | xla scan | xla/pallas | pallas traffic | ring traffic | "
+        "err pallas o / ckpt | err ring o / ckpt | err xla o / ckpt |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        p = min((k for k in r if k.startswith("pallas") and k.endswith("_s")), key=lambda k: r[k])
+        p = min((k for k in r if k.startswith("pallas") and k.endswith("_s") and "ring" not in k), key=lambda k: r[k])
         name = p[:-2]
         variant = "" if name == "pallas" else f" ({name})"
-        log(f"| {r['B']} | {r['T']} | {r[p] * 1e6:.1f}{variant} | {r['xla_s'] * 1e6:.1f} | {r['xla_s'] / r[p]:.1f} | "
-            f"{r[f'{name}_tbps']:.2f} TB/s | {r[f'{name}_err_o']:.1e} / {r[f'{name}_err_ckpt']:.1e} | "
+        log(f"| {r['B']} | {r['T']} | {r[p] * 1e6:.1f}{variant} | {r['pallas_ring_s'] * 1e6:.1f} | "
+            f"{r['xla_s'] * 1e6:.1f} | {r['xla_s'] / r[p]:.1f} | {r[f'{name}_tbps']:.2f} TB/s | "
+            f"{r['pallas_ring_tbps']:.2f} TB/s | {r[f'{name}_err_o']:.1e} / {r[f'{name}_err_ckpt']:.1e} | "
+            f"{r['pallas_ring_err_o']:.1e} / {r['pallas_ring_err_ckpt']:.1e} | "
             f"{r['xla_err_o']:.1e} / {r['xla_err_ckpt']:.1e} |")
 
 
