@@ -1,6 +1,6 @@
 """Sharded decode on several GPUs equals one GPU: logits and greedy tokens under tensor=2 and expert=2.
 
-    python end_to_end/multi_gpu_check.py [--out DIR]
+    python end_to_end/multi_gpu_check.py [--out DIR] [--models tiny,1b] [--meshes tensor=2,expert=2]
 
 Two random-weight models (fp32): "tiny", the tiny config (head and expert counts divisible by 2), and "1b", a
 >= 1B-param one (the 48B model's widths with 2 layers: one KDA, one MLA, 64 experts). For each, the 1-device Engine is the
@@ -44,7 +44,14 @@ def main() -> int:
                         help="jax_default_matmul_precision: 'default' lets the GPU use TF32-class fp32 matmuls, whose "
                              "rounding changes with the partitioning")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
+    parser.add_argument("--meshes", default=",".join(list(MESHES)[1:]),
+                        help=f"comma-separated subset of {list(MESHES)[1:]} (the 1-GPU reference always runs first)")
     args = parser.parse_args()
+    for name, chosen, known in (("--models", args.models, list(MODELS)), ("--meshes", args.meshes, list(MESHES)[1:])):
+        unknown = [x for x in chosen.split(",") if x not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {unknown}; choose from {known}")
+    meshes = {name: MESHES[name] for name in ["1 GPU", *args.meshes.split(",")]}
     jax.config.update("jax_default_matmul_precision", args.precision)
     print(f"devices: {jax.devices()} (jax {jax.__version__}), matmul precision {args.precision}", flush=True)
     rng = np.random.default_rng(0)
@@ -58,7 +65,7 @@ def main() -> int:
         tokens = rng.integers(0, config.vocab_size, (2, 24)).tolist()
         prompts = [tokens[0][:24], tokens[1][:11]]
         reference = None
-        for mesh_name, mesh_overrides in MESHES.items():
+        for mesh_name, mesh_overrides in meshes.items():
             start = time.perf_counter()
             engine = Engine(pyconfig.load_config(path, {**base, **mesh_overrides}), params)
             logits = engine.logits(tokens)
