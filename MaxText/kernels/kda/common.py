@@ -24,6 +24,12 @@ def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def thresholded_softplus(x: jax.Array) -> jax.Array:
+    """softplus(x), and x itself above SOFTPLUS_THRESHOLD (as HF / fla), written with exp and log1p only so that it
+    also lowers inside the Pallas kernels."""
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
 def kda_gate(g_raw: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
     """Log-decay g = -exp(A_log[h]) * softplus(g_raw + dt_bias), float32.
 
@@ -37,8 +43,7 @@ def kda_gate(g_raw: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Arra
         raise ValueError(f"dt_bias has {dt_bias.size} values (shape {dt_bias.shape}); expected H*K = "
                          f"{num_heads}*{head_dim} = {num_heads * head_dim}")
     x = g_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(num_heads, head_dim)
-    softplus = jnp.where(x > SOFTPLUS_THRESHOLD, x, jax.nn.softplus(jnp.minimum(x, SOFTPLUS_THRESHOLD)))
-    return -jnp.exp(A_log.astype(jnp.float32).reshape(num_heads, 1)) * softplus
+    return -jnp.exp(A_log.astype(jnp.float32).reshape(num_heads, 1)) * thresholded_softplus(x)
 
 
 class KDAInputs(NamedTuple):

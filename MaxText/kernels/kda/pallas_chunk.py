@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.kda.common import L2NORM_EPS, SOFTPLUS_THRESHOLD
+from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
 
 CHUNK = 64  # C: tokens per chunk
 SUB = 16  # tokens per sub-chunk (exact per-channel decays inside)
@@ -67,9 +67,7 @@ def _prepare_kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, qn_ref, kn_ref, G_re
         dst[rows, head, :] = x.astype(dst.dtype)
     g = g_ref[rows, head, :].astype(F32)
     if gate:
-        x = g + dtb_ref[pl.ds(head, 1), :].astype(F32)
-        g = -jnp.exp(alog_ref[head].astype(F32)) * jnp.where(
-            x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+        g = -jnp.exp(alog_ref[head].astype(F32)) * thresholded_softplus(g + dtb_ref[pl.ds(head, 1), :].astype(F32))
     G_ref[rows, head, :] = jnp.cumsum(g, axis=0)
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.kda.common import L2NORM_EPS, SOFTPLUS_THRESHOLD
+from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
 
 
 def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate_in_kernel, l2norm_in_kernel,
@@ -40,9 +40,8 @@ def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
     q = q * scale
     if gate_in_kernel:
-        x = g + dtb_ref[pl.ds(head * head_k, head_k)].astype(f32)
-        softplus = jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
-        g = -jnp.exp(alog_ref[head].astype(f32)) * softplus
+        g = -jnp.exp(alog_ref[head].astype(f32)) * thresholded_softplus(
+            g + dtb_ref[pl.ds(head * head_k, head_k)].astype(f32))
     if beta_logit:
         beta = jax.nn.sigmoid(beta)
     return q, k, g, beta
