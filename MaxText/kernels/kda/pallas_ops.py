@@ -152,28 +152,23 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                          use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                          cu_seqlens=cu_seqlens, interpret=interpret)
-    jax.eval_shape(functools.partial(prepare_inputs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                     use_gate_in_kernel=use_gate_in_kernel),
-                   q, k, v, g, beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    A_log, dt_bias, options = _recurrent_options(
+        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, block_v=block_v)
     batch, seq_len, H, K = q.shape
     V = v.shape[-1]
-    _check_dims(K, V)
-    scale = K ** -0.5 if scale is None else float(scale)
     state = (jnp.zeros((batch, H, K, V), jnp.float32) if initial_state is None
              else initial_state.astype(jnp.float32))
-    A_log_ = jnp.zeros((H,), jnp.float32) if A_log is None else A_log
-    dt_bias_ = jnp.zeros((H * K,), jnp.float32) if dt_bias is None else dt_bias
     slots = jnp.arange(batch, dtype=jnp.int32)
     dtype = jnp.promote_types(q.dtype, v.dtype)
     mixed = jnp.concatenate([q.reshape(batch, seq_len, H * K).astype(dtype), k.reshape(batch, seq_len, H * K)
                              .astype(dtype), v.reshape(batch, seq_len, H * V).astype(dtype)], axis=-1)
-    step = functools.partial(pallas_decode.decode_call, num_heads=H, head_dim=K, scale=scale,
-                             gate_in_kernel=use_gate_in_kernel, l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                             beta_logit=False, block_v=block_v, interpret=interpret)
+    step = functools.partial(pallas_decode.decode_call, num_heads=H, head_dim=K, beta_logit=False,
+                             interpret=interpret, **options)
 
     def body(state, xs):
         mixed_t, g_t, beta_t = xs
-        o_t, state = step(mixed_t, g_t.reshape(batch, H * K), beta_t, A_log_, dt_bias_, state, slots)
+        o_t, state = step(mixed_t, g_t.reshape(batch, H * K), beta_t, A_log, dt_bias, state, slots)
         return state, o_t
 
     xs = (jnp.moveaxis(mixed, 1, 0), jnp.moveaxis(g, 1, 0), jnp.moveaxis(beta, 1, 0))
@@ -205,9 +200,10 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      interpret=interpret)
 
 
-def _verify_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
-                    dt_bias, block_v):
-    """Shape checks shared with the scan (abstract values only), and the kernel's gate params and static options."""
+def _recurrent_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                       A_log, dt_bias, block_v):
+    """For the token-by-token kernels (decode, verify): the shape checks shared with the plain-JAX versions (abstract
+    values only), the gate params (zeros when absent) and the kernels' static options."""
     jax.eval_shape(functools.partial(prepare_inputs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                      use_gate_in_kernel=use_gate_in_kernel),
                    q, k, v, g, beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
@@ -231,7 +227,7 @@ def recurrent_kda_checkpoints(q, k, v, g, beta, *, initial_state, checkpoint_dty
     v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32 (unchanged). Returns (o [B, T, H, V] in q's
     dtype, checkpoints [B, T, H, K, V] in `checkpoint_dtype`; the recurrence runs in float32).
     """
-    A_log, dt_bias, options = _verify_options(
+    A_log, dt_bias, options = _recurrent_options(
         q, k, v, g, beta, initial_state, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, block_v=block_v)
@@ -251,7 +247,7 @@ def recurrent_kda_ring_checkpoints(q, k, v, g, beta, *, state_ring, state_slot, 
     batch, seq_len, H, K = q.shape
     verify.check_state_ring(state_ring, state_slot, batch, seq_len, H, K, v.shape[-1])
     committed = jax.ShapeDtypeStruct((batch, H, K, v.shape[-1]), jnp.float32)  # the slot read, for the checks
-    A_log, dt_bias, options = _verify_options(
+    A_log, dt_bias, options = _recurrent_options(
         q, k, v, g, beta, committed, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, block_v=block_v)
