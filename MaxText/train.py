@@ -90,13 +90,9 @@ def mean_loss(model, params, batch: Batch) -> jax.Array:
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def init_params(model, config, rng, shardings=None, dummy_length: int | None = None):
-    """Random-init params (unboxed); created directly on `shardings` (a NamedSharding tree) when given.
-
-    `model.init` traces one forward of a [1, dummy_length] dummy (default max_target_length); the params do not depend
-    on its length, and a short one keeps tracing and compiling a large model cheap.
-    """
-    dummy = jnp.zeros((1, config.max_target_length if dummy_length is None else dummy_length), jnp.int32)
+def init_params(model, config, rng, shardings=None):
+    """Random-init params (unboxed); created directly on `shardings` (a NamedSharding tree) when given."""
+    dummy = jnp.zeros((1, config.max_target_length), jnp.int32)
     return jax.jit(lambda key: nn.meta.unbox(model.init(key, dummy, model_mode="train")["params"]),
                    out_shardings=shardings)(rng)
 

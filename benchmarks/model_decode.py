@@ -74,7 +74,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
 from MaxText import pyconfig, random_init, sharding  # noqa: E402
-from MaxText.layers.models import KimiLinearForCausalLM  # noqa: E402
+from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
 from MaxText.layers.moe import GROUPED_MATMUL_CHOICES, Router  # noqa: E402
 
 STAGES = ("copy", "init", "prefill", "decode", "profile")
@@ -357,10 +357,7 @@ class Setup:
     def abstract_cache(self, batch: int):
         """The cache tree of `batch` rows (ShapeDtypeStructs); nothing is allocated."""
         if batch not in self._abstract_caches:
-            model = KimiLinearForCausalLM(self.config)
-            self._abstract_caches[batch] = jax.eval_shape(
-                lambda p, t: model.apply({"params": p}, t, model_mode="prefill", mutable=["cache"])[1]["cache"],
-                self.params, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+            self._abstract_caches[batch] = jax.eval_shape(lambda: init_cache(self.config, batch))
         return self._abstract_caches[batch]
 
     def cache_shardings(self, batch: int):
@@ -422,9 +419,7 @@ def make_prefill_chunk(model):
 
 
 def zero_cache_fn(setup: Setup, batch: int):
-    shardings = setup.cache_shardings(batch)
-    abstract = setup.abstract_cache(batch)
-    return jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract), out_shardings=shardings)
+    return jax.jit(lambda: init_cache(setup.config, batch), out_shardings=setup.cache_shardings(batch))
 
 
 def run_prefill(setup: Setup, args, results) -> Any:

@@ -34,8 +34,8 @@ def flat(tree) -> dict[str, jax.Array]:
 def test_tree_shapes_dtypes_and_shardings_equal_init_params(made):
     mesh, params, summary = made
     shardings = sharding.param_shardings(TINY_BF16, mesh)
-    expected = jax.eval_shape(lambda key: init_params(KimiLinearForCausalLM(TINY_BF16), TINY_BF16, key, shardings,
-                                                      dummy_length=1), jax.random.key(0))
+    expected = jax.eval_shape(lambda key: init_params(KimiLinearForCausalLM(TINY_BF16), TINY_BF16, key, shardings),
+                              jax.random.key(0))
     assert jax.tree.structure(params) == jax.tree.structure(expected)
     got, want, want_shardings = flat(params), flat(expected), flat(shardings)
     for name, leaf in got.items():
