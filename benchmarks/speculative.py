@@ -15,16 +15,18 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-
-import jax
-import jax.numpy as jnp
-
-from MaxText import checkpointing, pyconfig
-from MaxText.inference.engine import Engine
-from MaxText.layers.models import KimiLinearForCausalLM
-from MaxText.train import latest_trained_params
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from MaxText import checkpointing, pyconfig  # noqa: E402
+from MaxText.inference.engine import Engine  # noqa: E402
+from MaxText.layers.models import KimiLinearForCausalLM  # noqa: E402
+from MaxText.train import latest_trained_params  # noqa: E402
 
 
 def source_code_prompts(batch: int, length: int, vocab_size: int) -> list[list[int]]:
