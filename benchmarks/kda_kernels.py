@@ -335,7 +335,7 @@ def tune_prefill():
         timed(f"inter warps={warps}", lambda *a, w=warps: pallas_chunk.inter(*a, scale=K ** -0.5, num_warps=w),
               qn, kn, G, beta, aqk_d, akk_d)
     _, inverse = jax.jit(lambda *a: pallas_chunk.inter(*a, scale=K ** -0.5))(qn, kn, G, beta, aqk_d, akk_d)
-    for warps in (4, 8):
+    for warps in (2, 4, 8):
         timed(f"wu warps={warps}", lambda *a, w=warps: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w),
               qn, kn, G, v, beta, inverse)
     intermediates = jax.jit(lambda *a: pallas_chunk.intra(*a, None, None, **intra_kw))(q, k, v, g, beta)

@@ -46,6 +46,19 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
     assert_close(s, s_ref)
 
 
+@pytest.mark.parametrize("head_k,head_v", [(64, 128), (128, 64)])
+def test_chunk_kda_interpret_unequal_head_dims(head_k, head_v):
+    """K != V, both above one 64-column block of the `wu` kernel: its key-column and value-column programs differ.
+    The final state's tolerance is 5e-5: the XLA chunked kernel differs from the naive recurrence by the same
+    1.0e-5 - 1.1e-5 here (fp32 rounding over 64 decayed steps); a wrong column block errs by O(state)."""
+    x = random_kda_inputs(np.random.default_rng(head_k), 1, 64, 1, head_k, head_v, raw_gate=True)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_kda(**x, **kw)
+    o, s = pallas_ops.chunk_kda(**x, **kw, interpret=True)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref, tol=5e-5)
+
+
 def test_chunk_kda_interpret_packed_sequences():
     cu = np.array([0, 5, 70, 70, 130])  # includes an empty sequence and a chunk-straddling one
     x = random_kda_inputs(np.random.default_rng(1), 1, 130, 2, 32, 32, raw_gate=True, num_states=4)

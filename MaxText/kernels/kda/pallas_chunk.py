@@ -14,8 +14,8 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
    writes A_qk (scaled q) and T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: forward substitution on the
    diagonal blocks (reading their rows from memory), then the off-diagonal blocks.
-4. `wu` -- per (chunk, head), on whole-chunk tiles: w = T (beta k e^G), u = T (beta v) (two [64, 64] x [64, K]
-   products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
+4. `wu` -- per (chunk, head, block of 64 key / value columns): w = T (beta k e^G), u = T (beta v) ([64, 64] x
+   [64, 64] products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
 5. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
    chunks, state S [K, BV] fp32 in registers:
        v_new = u - w S;  o = qg S + A_qk v_new;  S = e^{G_last} S + kg^T v_new
@@ -41,6 +41,7 @@ from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
 CHUNK = 64  # C: tokens per chunk
 SUB = 16  # tokens per sub-chunk (exact per-channel decays inside)
 NSUB = CHUNK // SUB
+WU_BLOCK = 64  # key / value columns per `wu` program (fewer when K or V is smaller)
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -180,7 +181,7 @@ def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, 
             inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=2, interpret=False):
+def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=1, interpret=False):
     """Kernel 3, one program per (chunk, head), on 16-row blocks: the cross-sub-chunk scores and the WY inverse.
     Returns A_qk [H, Ttot, 64] (scaled q; in qn's dtype) and T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t
     of its chunk's 64 x 64 lower-triangular block). Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32)
@@ -198,45 +199,54 @@ def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=2, interpret=False)
 
 
 def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
-               scale, precise, interpret):
-    chunk, head = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(chunk * CHUNK, CHUNK)
+               head_k, head_v, block_cols, scale, precise, interpret):
+    chunk, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, cols = pl.ds(chunk * CHUNK, CHUNK), pl.ds(block * block_cols, block_cols)
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
-    G = G_ref[rows, head, :]  # [C, K]
-    g_last = G_ref[pl.ds(chunk * CHUNK + CHUNK - 1, 1), head, :]  # [1, K]
-    glast_ref[head, pl.ds(chunk, 1), :] = g_last
-    e_G = jnp.exp(G)
-    qg_ref[head, rows, :] = (qn_ref[rows, head, :].astype(F32) * e_G * scale).astype(qg_ref.dtype)
-    k = kn_ref[rows, head, :].astype(F32)
-    kg_ref[head, rows, :] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
     beta = beta_ref[rows, head].astype(F32)[:, None]  # [C, 1]
     inverse = inverse_ref[head, rows, :]  # [C, C]
-    w_ref[head, rows, :] = dot(inverse, beta * k * e_G).astype(w_ref.dtype)
-    u_ref[head, rows, :] = dot(inverse, beta * v_ref[rows, head, :].astype(F32)).astype(u_ref.dtype)
+
+    @pl.when(block < head_k // block_cols)
+    def _key_columns():
+        G = G_ref[rows, head, cols]  # [C, BW]
+        g_last = G_ref[pl.ds(chunk * CHUNK + CHUNK - 1, 1), head, cols]  # [1, BW]
+        glast_ref[head, pl.ds(chunk, 1), cols] = g_last
+        e_G = jnp.exp(G)
+        qg_ref[head, rows, cols] = (qn_ref[rows, head, cols].astype(F32) * e_G * scale).astype(qg_ref.dtype)
+        k = kn_ref[rows, head, cols].astype(F32)
+        kg_ref[head, rows, cols] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
+        w_ref[head, rows, cols] = dot(inverse, beta * k * e_G).astype(w_ref.dtype)
+
+    @pl.when(block < head_v // block_cols)
+    def _value_columns():
+        u_ref[head, rows, cols] = dot(inverse, beta * v_ref[rows, head, cols].astype(F32)).astype(u_ref.dtype)
 
 
 def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
-    """Kernel 4, one program per (chunk, head), on whole-chunk tiles: w = T (beta k e^G), u = T (beta v),
-    qg = scale q e^G, kg = k e^{G_last - G}. Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and
-    G_last [H, Ttot/64, K] fp32."""
+    """Kernel 4, one program per (chunk, head, block of WU_BLOCK key / value columns): w = T (beta k e^G),
+    u = T (beta v) ([64, 64] x [64, WU_BLOCK] products), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep
+    fp32 tiles within shared memory (whole [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB).
+    Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]
     dtype = qn.dtype
-    kernel = functools.partial(_wu_kernel, scale=scale, precise=dtype == F32, interpret=interpret)
+    block_cols = min(WU_BLOCK, K, V)  # K, V in SUPPORTED_HEAD_DIMS (powers of two): it divides both
+    kernel = functools.partial(_wu_kernel, head_k=K, head_v=V, block_cols=block_cols, scale=scale,
+                               precise=dtype == F32, interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, K), dtype),
                  jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, V), dtype),
                  jax.ShapeDtypeStruct((H, total // CHUNK, K), F32))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(total // CHUNK, H),
+        grid=(total // CHUNK, H, max(K, V) // block_cols),
         compiler_params=_params(num_warps),
         interpret=interpret,
         name="kda_chunk_wu",
     )(qn, kn, G, v, beta, inverse)
 
 
-def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=2, diag_heads=4, diag_warps=1,
+def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1, diag_heads=4, diag_warps=1,
           wu_warps=4, interpret=False):
     """Kernels 1-4: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
