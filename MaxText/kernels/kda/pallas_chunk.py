@@ -291,13 +291,17 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref,
 
 
 def recurrence(qg, kg, w, u, aqk, g_last, initial_state, chunk_offsets, *, out_dtype, block_v=64, num_warps=4,
-               num_stages=3, interpret=False):
-    """Kernel 2. Intermediates from `intra`; initial_state [N, H, K, V] fp32; chunk_offsets [N + 1] int32 (the
-    first chunk of each sequence). Returns o [Ttot, H, V] in out_dtype and the final states [N, H, K, V] fp32."""
+               num_stages=None, interpret=False):
+    """Kernel 5. Intermediates from `intra`; initial_state [N, H, K, V] fp32; chunk_offsets [N + 1] int32 (the
+    first chunk of each sequence). Returns o [Ttot, H, V] in out_dtype and the final states [N, H, K, V] fp32.
+    num_stages (software pipelining of the chunk loop's loads) defaults to 3 for bf16 inputs and 1 for fp32: one
+    stage of fp32 tiles is ~128 KB at K = 128, BV = 64, and 3 stages asked for 352 KB of an H200's 227 KB."""
     H, total, K = qg.shape
     V = u.shape[-1]
     n_seq = initial_state.shape[0]
     block_v = min(block_v, V)
+    if num_stages is None:
+        num_stages = 3 if qg.dtype == BF16 else 1
     kernel = functools.partial(_recurrence_kernel, block_v=block_v, interpret=interpret)
     return pl.pallas_call(
         kernel,
