@@ -30,7 +30,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "kda_kernel": ("auto", "naive", "chunked", "pallas"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
-    "moe_grouped_matmul": ("auto", "ragged_dot", "gather"),
+    "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
     "speculative": ("none", "ngram", "draft_model"),
     "verify_checkpoint_dtype": ("float32",),
     "jax_distributed_initialize": ("auto", "always", "never"),

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import importlib.util
 import json
 import os
 import platform
@@ -75,7 +74,8 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
 from MaxText import pyconfig, random_init, sharding  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
-from MaxText.layers.moe import GROUPED_MATMUL_CHOICES, Router  # noqa: E402
+from MaxText.kernels import grouped_matmul  # noqa: E402
+from MaxText.layers.moe import Router  # noqa: E402
 
 STAGES = ("copy", "init", "prefill", "decode", "profile")
 DECODE_MODULE = "jit_decode_step"  # the XLA module name of the jitted `decode_step`
@@ -344,6 +344,17 @@ def load_benchmark_config(args, **extra) -> ml_collections.FrozenConfigDict:
     return pyconfig.load_config(args.config, overrides)
 
 
+def moe_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh) -> str:
+    """The grouped matmul that `config.moe_grouped_matmul` resolves to on `mesh` (what the step will run)."""
+    with sharding.mesh_context(mesh, config):
+        return grouped_matmul.resolve(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim)
+
+
+def moe_label(row: dict) -> str:
+    """'auto (pallas)' when the requested dispatch resolved to another implementation, else the implementation."""
+    return row["moe"] if row["moe"] == row["moe_impl"] else f"{row['moe']} ({row['moe_impl']})"
+
+
 class Setup:
     """The model config, device mesh, param shardings and the params on the device(s)."""
 
@@ -448,6 +459,7 @@ def run_prefill(setup: Setup, args, results) -> Any:
         log(f"prefill: run {run} {'(warm-up) ' if run == 0 else ''}{times[-1] * 1e3:.1f} ms{memory_note()}")
     seconds = statistics.median(times[1:])
     results["prefill"] = {"prompt_len": args.prompt_len, "batch": 1, "chunk": chunk, "moe": config.moe_grouped_matmul,
+                          "moe_impl": moe_implementation(config, setup.mesh),
                           "compile_s": compile_s, "ms": seconds * 1e3, "tokens_per_s": args.prompt_len / seconds,
                           "runs_ms": [t * 1e3 for t in times[1:]], "warmup_ms": times[0] * 1e3}
     return cache
@@ -531,7 +543,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
     tpot = statistics.median(blocks)
     per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
-    row = {"batch": batch, "moe": moe, "context": args.prompt_len, "cache": "prefill" if prefilled is not None else
+    row = {"batch": batch, "moe": moe, "moe_impl": moe_implementation(config, setup.mesh), "context": args.prompt_len, "cache": "prefill" if prefilled is not None else
            "synthetic", "compile_s": compile_s, "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
            "block_ms": [b * 1e3 for b in blocks], "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
            "distinct_experts_per_layer": per_layer.tolist(),
@@ -571,6 +583,11 @@ def profile_decode(step, setup: Setup, cache, tokens, args, config, step_seconds
                                       step_seconds, args.top)
         log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} of "
             f"{breakdown['step_ms']:.3f} ms per step ({breakdown['source']})")
+        if any(op["op"].startswith("command_buffer") for op in breakdown["top_ops"]):
+            breakdown["note"] = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one "
+                                 "op each: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer= for a per-kernel "
+                                 "profile (the TPOT of that run is then without graphs)")
+            log(f"profile {tag}: {breakdown['note']}")
         return breakdown
     except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
         traceback.print_exc()
@@ -619,8 +636,8 @@ def report(results: dict) -> str:
         lines.append(f"- copy bandwidth (read + write): {parts}; the roofline uses {bw['used_Bps'] / 1e12:.3f} TB/s")
     pre = results.get("prefill")
     if pre:
-        lines.append(f"- prefill, batch 1, {pre['prompt_len']} tokens in chunks of {pre['chunk']} (moe {pre['moe']}): "
-                     f"{pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s (compile {pre['compile_s']:.1f} s)")
+        lines.append(f"- prefill, batch 1, {pre['prompt_len']} tokens in chunks of {pre['chunk']} "
+                     f"(moe {moe_label(pre)}): {pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s (compile {pre['compile_s']:.1f} s)")
     if results.get("decode"):
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
                      f"back-to-back steps)\n")
@@ -629,7 +646,7 @@ def report(results: dict) -> str:
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in results["decode"]:
             roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
-            lines.append(f"| {r['batch']} | {r['moe']} | {r['tpot_ms']:.3f} | {r['tokens_per_s']:.1f} | {roof} | "
+            lines.append(f"| {r['batch']} | {moe_label(r)} | {r['tpot_ms']:.3f} | {r['tokens_per_s']:.1f} | {roof} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
                          f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
                          f"{r['compile_s']:.1f} |")
@@ -640,18 +657,20 @@ def report(results: dict) -> str:
             b = {k: v / 1e9 for k, v in r["bytes"].items()}
             state = b["kda_state"] + b["kda_conv_state"]
             whole = b["total"] - b["routed_experts"] - state - b["mla_latent_cache"]
-            lines.append(f"| {r['batch']} | {r['moe']} | {whole:.3f} | {b['routed_experts']:.3f} | {state:.3f} | "
+            lines.append(f"| {r['batch']} | {moe_label(r)} | {whole:.3f} | {b['routed_experts']:.3f} | {state:.3f} | "
                          f"{b['mla_latent_cache']:.3f} | {b['total']:.3f} |")
         for r in results["decode"]:
             prof = r.get("profile")
             if not prof:
                 continue
-            lines.append(f"\n### Profile, batch {r['batch']}, moe {r['moe']}")
+            lines.append(f"\n### Profile, batch {r['batch']}, moe {moe_label(r)}")
             if "error" in prof:
                 lines.append(f"profile unavailable: {prof['error']}")
                 continue
             lines.append(f"device busy {prof['busy_ms']:.3f} ms of a {prof['step_ms']:.3f} ms step "
                          f"({prof['num_ops']} ops; {prof['source']})\n")
+            if prof.get("note"):
+                lines.append(f"note: {prof['note']}\n")
             lines.append("| component | ms / step | % of step |\n|---|---|---|")
             lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} |" for c in prof["components"]]
             lines.append("\n| op | component | kernel | ms / step | % of step |\n|---|---|---|---|---|")
@@ -676,10 +695,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=4096, help="prompt tokens = decode context")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill call")
     parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills after one warm-up")
-    parser.add_argument("--prefill-moe", default="ragged_dot", choices=GROUPED_MATMUL_CHOICES,
+    parser.add_argument("--prefill-moe", default="auto", choices=grouped_matmul.CHOICES,
                         help="moe_grouped_matmul of the prefill")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
-    parser.add_argument("--decode-moe", nargs="+", default=["gather"], choices=GROUPED_MATMUL_CHOICES,
+    parser.add_argument("--decode-moe", nargs="+", default=["auto"], choices=grouped_matmul.CHOICES,
                         help="moe_grouped_matmul values to decode with (each one is a decode setting)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")
@@ -688,9 +707,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=3, help="decode steps traced by the profiler")
     parser.add_argument("--top", type=int, default=20, help="ops listed per profile")
     parser.add_argument("--trace-dir", default="", help="keep the profiler traces here (default: a deleted temp dir)")
-    parser.add_argument("--pallas-ragged-dot", action="store_true",
-                        help="lower jax.lax.ragged_dot with JAX's Pallas Triton grouped matmul on GPU "
-                             "(jax_ragged_dot_use_gpu_pallas_triton_lowering), where this JAX has it")
     args = parser.parse_intermixed_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():  # the smoke sizes, where the command line kept the default
@@ -706,26 +722,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def enable_pallas_ragged_dot() -> str:
-    """Turns on JAX's Pallas Triton lowering of ragged_dot where this JAX ships it; returns what happened."""
-    try:
-        present = importlib.util.find_spec("jax._src.lax.pallas_lowerings.gpu.ragged_dot") is not None
-    except ModuleNotFoundError:
-        present = False
-    if not present or not hasattr(jax.config, "jax_ragged_dot_use_gpu_pallas_triton_lowering"):
-        return f"not available in JAX {jax.__version__} (no jax._src.lax.pallas_lowerings.gpu.ragged_dot): XLA's"
-    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
-    return "on"
-
-
 def main(argv: Sequence[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     results: dict[str, Any] = {"env": environment(argv), "args": vars(args), "stages": {}, "errors": {},
                                "decode": []}
-    if args.pallas_ragged_dot:
-        results["env"]["pallas_ragged_dot"] = enable_pallas_ragged_dot()
-        log(f"Pallas ragged_dot lowering: {results['env']['pallas_ragged_dot']}")
     log(json.dumps(results["env"]))
     state: dict[str, Any] = {"setup": None, "prefilled": None}
 

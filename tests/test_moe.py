@@ -13,7 +13,8 @@ import torch
 
 from MaxText import pyconfig
 from MaxText.hf_weights import params_from_hf_state_dict
-from MaxText.layers.moe import MoE, RoutedExperts, Router, grouped_matmul
+from MaxText.kernels.grouped_matmul import grouped_matmul
+from MaxText.layers.moe import MoE, RoutedExperts, Router
 from tests.test_model_hf_parity import CONFIG_NAMES, hf_model, hf_state_dict, our_config
 
 TOL = 1e-5  # x max|reference|

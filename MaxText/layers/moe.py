@@ -8,15 +8,8 @@
     y        = sum_k weights_k * SwiGLU_{expert_k}(x) + shared_experts(x)
 
 Dispatch is dropless and sorted: the N*k (token, expert) pairs are sorted by expert, the expert SwiGLUs run as grouped
-matmuls over the sorted rows (each row meets only its own expert's weights), and the rows are unsorted, weighted and
-summed. Grouped-matmul implementations (`moe_grouped_matmul`):
-  ragged_dot  `jax.lax.ragged_dot` with the per-expert group sizes. A grouped GEMM where the backend lowers it
-              natively (TPU). XLA:CPU, and XLA:GPU in JAX 0.11.2 (measured on an H200: 26x the FLOPs and 15-30x the
-              time at 256 experts vs 8, same top-k), expand it into a dense product over every expert.
-  gather      each sorted row times its own expert's weight matrix, gathered per row: work N*k*D*I whatever the
-              number of experts, on any backend, but it reads one weight matrix per row, so it suits CPU and small
-              (decode) batches, not long GPU prefills.
-  auto        ragged_dot on TPU and GPU, gather on CPU.
+matmuls over the sorted rows (each row meets only its own expert's weights; `moe_grouped_matmul` picks the
+implementation: MaxText/kernels/grouped_matmul), and the rows are unsorted, weighted and summed.
 """
 
 from __future__ import annotations
@@ -26,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from MaxText.kernels.grouped_matmul import grouped_matmul
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
-
-GROUPED_MATMUL_CHOICES = ("auto", "ragged_dot", "gather")
 
 
 def route(scores: jax.Array, correction_bias: jax.Array, *, top_k: int, n_groups: int, top_k_groups: int,
@@ -51,26 +43,6 @@ def route(scores: jax.Array, correction_bias: jax.Array, *, top_k: int, n_groups
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * routed_scaling_factor, expert_ids.astype(jnp.int32)
-
-
-def resolve_grouped_matmul(implementation: str) -> str:
-    """Maps a `moe_grouped_matmul` value to 'ragged_dot' | 'gather' for the default backend."""
-    if implementation not in GROUPED_MATMUL_CHOICES:
-        raise ValueError(f"moe_grouped_matmul={implementation!r} is unknown; choose one of {GROUPED_MATMUL_CHOICES}")
-    if implementation == "auto":
-        return "gather" if jax.default_backend() == "cpu" else "ragged_dot"
-    return implementation
-
-
-def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, row_groups: jax.Array, *,
-                   implementation: str, precision=None) -> jax.Array:
-    """rows [M, K] sorted by group, weights [E, K, N] -> [M, N]: row m times weights[row_groups[m]].
-
-    group_sizes [E] int32 (sum M) and row_groups [M] int32 describe the same sorted grouping.
-    """
-    if resolve_grouped_matmul(implementation) == "ragged_dot":
-        return jax.lax.ragged_dot(rows, weights, group_sizes, precision=precision)
-    return jnp.einsum("mk,mkn->mn", rows, jnp.take(weights, row_groups, axis=0), precision=precision)
 
 
 class Router(nn.Module):

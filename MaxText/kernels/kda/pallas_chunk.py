@@ -37,21 +37,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
+from MaxText.kernels.pallas_dot import dot as _dot
 
 CHUNK = 64  # C: tokens per chunk
 SUB = 16  # tokens per sub-chunk (exact per-channel decays inside)
 NSUB = CHUNK // SUB
 WU_BLOCK = 64  # key / value columns per `wu` program (fewer when K or V is smaller)
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def _dot(a, b, *, trans_b=False, precise=True, interpret=False):
-    """fp32 product; `precise` uses 3-pass tf32 on the GPU (about fp32 accuracy), exact fp32 when interpreting."""
-    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    if not precise:
-        return lax.dot_general(a, b, dims, preferred_element_type=F32)
-    precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
 def _params(num_warps, num_stages=1):

@@ -1,0 +1,116 @@
+"""Pallas (Triton lowering) grouped matmul over rows sorted by group: each group's weight matrix is read once per
+block of its rows, and empty groups cost nothing.
+
+    rows [M, K] (sorted by group), weights [E, K, N], group_sizes [E] (sum M)  ->  out [M, N]
+
+A tile schedule (plain JAX, `tile_schedule`) cuts every group's rows into tiles of at most `block_m` rows; a tile
+never spans two groups. The grid is (tile, block of `block_n` output columns); a program loads its group's
+[block_k, block_n] weight blocks and a block of `block_m` rows from its first one (the input is padded so the block
+always lies inside), accumulates in float32 on the tensor cores and stores only the rows of its group (masked: the
+programs of neighbouring tiles run concurrently). The number of tiles depends on the data, so the grid has the
+static bound floor(M / block_m) + min(E, M) tiles (each non-empty group adds at most one partial tile); tiles past
+the last do nothing. Decode (M = batch * top_k rows over E = 256 experts) reads only the experts in use, once per step; a
+prefill reads each used expert once per `block_m` of its rows.
+
+Runs under `interpret=True` on CPU (the tests do). Benchmark: benchmarks/grouped_matmul.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from MaxText.kernels.pallas_dot import dot
+
+BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
+
+
+def unsupported_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | None:
+    """None when the kernel takes rows of this dtype and these K (contract) / N (out) dims."""
+    if jnp.dtype(rows_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"the Pallas grouped matmul takes bfloat16 or float32 rows, got {jnp.dtype(rows_dtype)}"
+    for name, dim in (("K", contract_dim), ("N", out_dim)):
+        if dim % BLOCK_CHOICES[-1]:
+            return f"the Pallas grouped matmul needs {name} to be a multiple of {BLOCK_CHOICES[-1]}, got {dim}"
+    return None
+
+
+def _block(dim: int, requested: int) -> int:
+    return next(b for b in BLOCK_CHOICES if b <= requested and dim % b == 0)
+
+
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
+    """Tiles of at most `block_m` rows, none spanning two groups, in row order.
+
+    Returns (group, first row, end row) per tile, each [floor(num_rows / block_m) + min(E, num_rows)] int32; tiles
+    past the last real one have first row = end row = 0 (and group 0)."""
+    num_groups = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    bound = num_rows // block_m + min(num_groups, num_rows)
+    tiles_per_group = (sizes + block_m - 1) // block_m  # [E]
+    tiles_end = jnp.cumsum(tiles_per_group)  # [E] one past each group's last tile
+    group_end = jnp.cumsum(sizes)  # [E]
+    tile = jnp.arange(bound, dtype=jnp.int32)
+    owner = jnp.searchsorted(tiles_end, tile, side="right").astype(jnp.int32)  # [bound]; E past the last tile
+    real = owner < num_groups
+    group = jnp.where(real, owner, 0)
+    group_first_tile = tiles_end[group] - tiles_per_group[group]
+    start = group_end[group] - sizes[group] + (tile - group_first_tile) * block_m
+    return group, jnp.where(real, start, 0), jnp.where(real, group_end[group], 0)
+
+
+def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, block_m, block_k, block_n, precise,
+                interpret):
+    tile, col_block = pl.program_id(0), pl.program_id(1)
+    start, end, group = start_ref[tile], end_ref[tile], group_ref[tile]
+
+    @pl.when(start < end)
+    def _tile():
+        owned = (start + jnp.arange(block_m)) < end  # [BM] rows of this tile's group
+        row_block = pl.ds(start, block_m)
+        cols = pl.ds(col_block * block_n, block_n)
+
+        def body(kb, acc):
+            ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+            x = rows_ref[row_block, ks]  # [BM, BK]; rows past the group are computed and not stored
+            return acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
+
+        acc = lax.fori_loop(0, rows_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        pltriton.store(out_ref.at[row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
+
+
+def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, block_m: int | None = None,
+                   block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                   interpret: bool = False) -> jax.Array:
+    """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M) -> [M, N] in
+    rows' dtype. bf16 operands use one tensor-core pass (fp32 accumulation); fp32 ones 3-pass tf32 (about fp32).
+    block_m defaults to 16 rows (the tensor cores' least) up to 1024 rows, 64 above."""
+    num_rows, contract = rows.shape
+    num_groups, _, out_dim = weights.shape
+    reason = unsupported_reason(rows.dtype, contract, out_dim)
+    if reason:
+        raise ValueError(reason)
+    if weights.shape[1] != contract or group_sizes.shape != (num_groups,):
+        raise ValueError(f"expected weights [E, {contract}, N] and group_sizes [E], got {weights.shape} and "
+                         f"{group_sizes.shape}")
+    block_m = block_m or (16 if num_rows <= 1024 else 64)
+    block_k, block_n = _block(contract, block_k), _block(out_dim, block_n)
+    group, start, end = tile_schedule(group_sizes, num_rows, block_m)
+    # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
+    padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
+    kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
+                               precise=rows.dtype == jnp.float32, interpret=interpret)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows + block_m, out_dim), rows.dtype),
+        grid=(group.shape[0], out_dim // block_n),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(group, start, end, padded, weights.astype(rows.dtype))
+    return out[:num_rows]

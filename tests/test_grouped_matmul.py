@@ -1,0 +1,77 @@
+"""The MoE grouped matmul (MaxText/kernels/grouped_matmul): the Pallas kernel's tile schedule and, through the Pallas
+interpreter on CPU, its results against the gather oracle; the dispatcher's choices and errors. The Triton compile
+and the GPU speed are checked by benchmarks/grouped_matmul.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.kernels import grouped_matmul as gmm
+from MaxText.kernels.grouped_matmul import pallas_gmm
+from MaxText.kernels.grouped_matmul.naive import gather_matmul
+
+GROUP_SIZES = {
+    "decode, one row per expert": [0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 0],
+    "uneven, empty groups, groups over block_m": [3, 0, 40, 1, 0, 17, 16, 0, 23],
+    "one group": [37],
+}
+
+
+def _problem(sizes, contract, out_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, np.int32)
+    rows = jnp.asarray(rng.normal(size=(int(sizes.sum()), contract)), dtype)
+    weights = jnp.asarray(rng.normal(size=(len(sizes), contract, out_dim)) / np.sqrt(contract), dtype)
+    row_groups = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)
+    return rows, weights, jnp.asarray(sizes), row_groups
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("name", list(GROUP_SIZES))
+def test_tile_schedule_covers_every_row_once_within_its_group(name, block_m):
+    sizes = np.asarray(GROUP_SIZES[name])
+    group, start, end = (np.asarray(a) for a in pallas_gmm.tile_schedule(jnp.asarray(sizes), int(sizes.sum()),
+                                                                         block_m))
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    covered = np.zeros(sizes.sum(), int)
+    for g, s, e in zip(group, start, end):
+        if s == e:
+            continue
+        rows = np.arange(s, min(s + block_m, e))
+        assert (owner[rows] == g).all(), (g, s, e)  # a tile holds rows of its own group only
+        covered[rows] += 1
+    assert (covered == 1).all()
+    assert len(group) >= sum(-(-n // block_m) for n in sizes)  # the static bound holds every real tile
+
+
+@pytest.mark.parametrize("name", list(GROUP_SIZES))
+def test_pallas_interpret_matches_gather_fp32(name):
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES[name], 64, 48, jnp.float32)
+    want = gather_matmul(rows, weights, row_groups, precision=jax.lax.Precision.HIGHEST)
+    got = pallas_gmm.grouped_matmul(rows, weights, sizes, block_k=32, interpret=True)  # 2 K blocks, N blocks of 16
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_interpret_matches_gather_bf16_prefill_tiles():
+    sizes = GROUP_SIZES["uneven, empty groups, groups over block_m"] * 12  # 1200 rows: block_m 64
+    rows, weights, sizes, row_groups = _problem(sizes, 128, 64, jnp.bfloat16, seed=1)
+    want = gather_matmul(rows.astype(jnp.float32), weights.astype(jnp.float32), row_groups,
+                         precision=jax.lax.Precision.HIGHEST)
+    got = pallas_gmm.grouped_matmul(rows, weights, sizes, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel <= 1e-2, f"bf16 relative L2 error {rel:.3g}"
+
+
+def test_dispatcher_choices_and_errors():
+    assert gmm.resolve("auto") == "gather"  # CPU
+    assert gmm.resolve("ragged_dot") == "ragged_dot"
+    with pytest.raises(RuntimeError, match="needs an NVIDIA GPU.*'cpu'"):
+        gmm.resolve("pallas")
+    with pytest.raises(ValueError, match="moe_grouped_matmul='dense' is unknown"):
+        gmm.resolve("dense")
+    with pytest.raises(ValueError, match="multiple of 16, got 40"):
+        pallas_gmm.grouped_matmul(*_problem([2, 3], 40, 16, jnp.float32)[:3], interpret=True)
