@@ -75,3 +75,16 @@ def test_dispatcher_choices_and_errors():
         gmm.resolve("dense")
     with pytest.raises(ValueError, match="multiple of 16, got 40"):
         pallas_gmm.grouped_matmul(*_problem([2, 3], 40, 16, jnp.float32)[:3], interpret=True)
+
+
+def test_auto_on_one_gpu_gathers_few_rows_and_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setattr(gmm.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: None)
+    assert gmm.resolve("auto", num_rows=gmm.GATHER_MAX_ROWS) == "gather"  # decode of few tokens
+    assert gmm.resolve("auto", num_rows=gmm.GATHER_MAX_ROWS + 1) == "pallas"
+    assert gmm.resolve("auto") == "pallas"
+    assert gmm.resolve("pallas", num_rows=8) == "pallas"  # an explicit choice is kept
+    monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: "a 2-device mesh is current")
+    assert gmm.resolve("auto", num_rows=4096) == "ragged_dot"
+    with pytest.raises(RuntimeError, match="pallas was requested, but a 2-device mesh is current"):
+        gmm.resolve("pallas")

@@ -56,7 +56,9 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     tiles_end = jnp.cumsum(tiles_per_group)  # [E] one past each group's last tile
     group_end = jnp.cumsum(sizes)  # [E]
     tile = jnp.arange(bound, dtype=jnp.int32)
-    owner = jnp.searchsorted(tiles_end, tile, side="right").astype(jnp.int32)  # [bound]; E past the last tile
+    # [bound]; E past the last tile. compare_all: one fused [bound, E] comparison (the default binary search is a
+    # loop of small kernels on the GPU).
+    owner = jnp.searchsorted(tiles_end, tile, side="right", method="compare_all").astype(jnp.int32)
     real = owner < num_groups
     group = jnp.where(real, owner, 0)
     group_first_tile = tiles_end[group] - tiles_per_group[group]
