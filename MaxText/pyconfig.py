@@ -35,6 +35,12 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "verify_checkpoint_dtype": ("float32",),
     "jax_distributed_initialize": ("auto", "always", "never"),
 }
+# Why a key allows only what it does, where that is not obvious (added to the error).
+ALLOWED_VALUES_WHY = {
+    "verify_checkpoint_dtype": "the KDA verify writes each draft token's state into the row's fp32 state ring and the "
+                               "commit selects the accepted slot with no copy, so every checkpoint may become the "
+                               "committed fp32 state",
+}
 
 # Keys that must be >= 1.
 POSITIVE_INT_KEYS = (
@@ -149,7 +155,8 @@ def _check_layer_lists(cfg: dict[str, Any]) -> None:
 def _validate(cfg: dict[str, Any]) -> None:
     for key, allowed in ALLOWED_VALUES.items():
         if cfg[key] not in allowed:
-            raise ConfigError(f"config key {key!r} is {cfg[key]!r}; allowed values: {', '.join(allowed)}")
+            why = f" ({ALLOWED_VALUES_WHY[key]})" if key in ALLOWED_VALUES_WHY else ""
+            raise ConfigError(f"config key {key!r} is {cfg[key]!r}; allowed values: {', '.join(allowed)}{why}")
     for key in POSITIVE_INT_KEYS:
         if cfg[key] < 1:
             raise ConfigError(f"config key {key!r} is {cfg[key]!r}; it must be >= 1")

@@ -249,7 +249,8 @@ def test_ngram_drafter_continues_the_latest_match_periodically():
     ({"num_draft_tokens": 17}, r"\[1, 16\]"),
     ({"speculative_topk": 2}, "tree drafts are not supported"),
     ({"speculative": "draft_model", "temperature": 0.0}, "needs draft_config_path"),
-    ({"verify_checkpoint_dtype": "bfloat16"}, "'verify_checkpoint_dtype' is 'bfloat16'; allowed values: float32"),
+    ({"verify_checkpoint_dtype": "bfloat16"},
+     r"'verify_checkpoint_dtype' is 'bfloat16'; allowed values: float32 \(.*committed fp32 state\)"),
 ])
 def test_unsupported_settings_fail_at_config_load(overrides, message):
     with pytest.raises(pyconfig.ConfigError, match=message):
