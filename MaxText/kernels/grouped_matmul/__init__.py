@@ -11,7 +11,7 @@ Implementations:
               dense product over every group (measured on an H200: 15-30x the time at 256 experts vs 8).
   pallas      pallas_gmm.py, a Triton grouped matmul that reads each used group's matrix once per block of rows.
               NVIDIA GPU only, and not under a multi-device mesh (XLA cannot partition a Pallas call; the sharded
-              MoE keeps ragged_dot).
+              MoE keeps ragged_dot). Differentiable through ragged_dot's backward (training: fast forward only).
   auto        on an NVIDIA GPU without a multi-device mesh: gather up to GATHER_MAX_ROWS rows (decode of <= 8
               tokens), pallas above (when its import and the shapes allow; else one log line and ragged_dot);
               ragged_dot on TPU and sharded GPUs; gather on CPU.

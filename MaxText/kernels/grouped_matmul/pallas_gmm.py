@@ -91,7 +91,34 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
                    interpret: bool = False) -> jax.Array:
     """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M) -> [M, N] in
     rows' dtype. bf16 operands use one tensor-core pass (fp32 accumulation); fp32 ones 3-pass tf32 (about fp32).
-    block_m defaults to 16 rows (the tensor cores' least) up to 1024 rows, 64 above."""
+    block_m defaults to 16 rows (the tensor cores' least) up to 1024 rows, 64 above.
+
+    Differentiable: the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this kernel's forward and
+    the previous default's gradients."""
+    tiles = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
+             ("num_stages", num_stages), ("interpret", interpret))
+    return _grouped_matmul(rows, weights, group_sizes, tiles)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_matmul(rows, weights, group_sizes, tiles):
+    return _launch(rows, weights, group_sizes, **dict(tiles))
+
+
+def _grouped_matmul_fwd(rows, weights, group_sizes, tiles):
+    return _launch(rows, weights, group_sizes, **dict(tiles)), (rows, weights, group_sizes)
+
+
+def _grouped_matmul_bwd(tiles, residuals, out_cotangent):
+    rows, weights, group_sizes = residuals
+    _, vjp = jax.vjp(lambda r, w: lax.ragged_dot(r, w, group_sizes), rows, weights)
+    return (*vjp(out_cotangent), None)
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _launch(rows, weights, group_sizes, *, block_m, block_n, block_k, num_warps, num_stages, interpret):
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights.shape
     reason = unsupported_reason(rows.dtype, contract, out_dim)
