@@ -125,7 +125,7 @@ def bench_prefill(B, T, args, results):
     row = {"B": B, "T": T}
 
     # The oracle on the same inputs cast to fp32 (exact): it computes in fp32 and then returns an fp32 output too,
-    # instead of one rounded to bf16. One scan per shape (at T = 32768 the scan dominates the shape's run time).
+    # instead of one rounded to bf16. One scan per shape.
     ref = jax.jit(lambda *a: naive.naive_recurrent_kda(*[x.astype(jnp.float32) for x in a], **kw))
     o_ref, s_ref = (np.asarray(x) for x in ref(jq, jk, jv, jg, jb))
 
