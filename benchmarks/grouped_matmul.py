@@ -4,7 +4,8 @@ inputs, at Kimi-Linear-48B's expert shapes (256 experts, top-8, emb 2304, expert
     python benchmarks/grouped_matmul.py [--out DIR] [--tokens 1 8 64 512 4096]
 
 For each token count, tokens route to top-8 distinct experts uniformly at random; rows are sorted by expert. Times
-(median of back-to-back calls, kda_kernels.time_jax) the gate/up shape (K 2304 -> N 1024) and the down shape
+(median of back-to-back calls, kda_kernels.time_jax) the Pallas kernel (and, up to 64 rows, where it runs its
+vector-matrix `rows` grid, its `tiles` grid too), ragged_dot and gather on the gate/up shape (K 2304 -> N 1024) and the down shape
 (K 1024 -> N 2304); reports the weight bytes of the experts in use / time; checks every implementation against the
 fp32 gather oracle (computed over chunks of rows; relative L2 <= 1e-2). Gather is timed up to 512 rows (it
 materializes one [K, N] matrix per row). Writes grouped_matmul.json.
@@ -69,8 +70,11 @@ def main() -> int:
         for tokens in args.tokens:
             rows, sizes, row_groups, used = routed_rows(rng, tokens, contract)
             want = jax.jit(oracle)(rows, weights_f32, row_groups)
-            impls = {"pallas": jax.jit(lambda r, w, s, g: pallas_gmm.grouped_matmul(r, w, s)),
-                     "ragged_dot": jax.jit(lambda r, w, s, g: jax.lax.ragged_dot(r, w, s))}
+            impls = {"pallas": jax.jit(lambda r, w, s, g: pallas_gmm.grouped_matmul(r, w, s, g))}
+            if rows.shape[0] <= pallas_gmm.ROWWISE_MAX_ROWS:  # pallas ran its `rows` grid: time `tiles` as well
+                impls["pallas_tiles"] = jax.jit(lambda r, w, s, g: pallas_gmm.grouped_matmul(r, w, s, g,
+                                                                                             rowwise_max_rows=0))
+            impls["ragged_dot"] = jax.jit(lambda r, w, s, g: jax.lax.ragged_dot(r, w, s))
             if rows.shape[0] <= GATHER_MAX_ROWS:
                 impls["gather"] = jax.jit(lambda r, w, s, g: gather_matmul(r, w, g))
             weight_bytes = used * contract * out_dim * 2
@@ -84,12 +88,14 @@ def main() -> int:
             print(f"  {name} tokens={tokens} rows={row['rows']} experts={used}: " + ", ".join(
                 f"{impl} {r['us']:.1f} us ({r['expert_weight_TBps']:.2f} TB/s, err {r['rel_l2']:.1e})"
                 for impl, r in row.items() if isinstance(r, dict)), flush=True)
-    print("\n| shape | tokens | rows | experts used | pallas us | ragged_dot us | gather us | pallas expert-weight TB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "
+          "pallas expert-weight TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         cell = lambda impl: f"{r[impl]['us']:.1f}" if impl in r else "-"  # noqa: E731
         print(f"| {r['shape']} | {r['tokens']} | {r['rows']} | {r['experts_used']} | {cell('pallas')} | "
-              f"{cell('ragged_dot')} | {cell('gather')} | {r['pallas']['expert_weight_TBps']:.2f} |")
+              f"{cell('pallas_tiles')} | {cell('ragged_dot')} | {cell('gather')} | "
+              f"{r['pallas']['expert_weight_TBps']:.2f} |")
     print("correctness: all within 1e-2 relative L2" if ok else "CORRECTNESS FAILURE", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "grouped_matmul.json"), "w") as f:

@@ -45,11 +45,13 @@ def test_tile_schedule_covers_every_row_once_within_its_group(name, block_m):
     assert len(group) >= sum(-(-n // block_m) for n in sizes)  # the static bound holds every real tile
 
 
+@pytest.mark.parametrize("rowwise_max_rows", [0, 1000])  # the `tiles` grid, the `rows` grid
 @pytest.mark.parametrize("name", list(GROUP_SIZES))
-def test_pallas_interpret_matches_gather_fp32(name):
+def test_pallas_interpret_matches_gather_fp32(name, rowwise_max_rows):
     rows, weights, sizes, row_groups = _problem(GROUP_SIZES[name], 64, 48, jnp.float32)
     want = gather_matmul(rows, weights, row_groups, precision=jax.lax.Precision.HIGHEST)
-    got = pallas_gmm.grouped_matmul(rows, weights, sizes, block_k=32, interpret=True)  # 2 K blocks, N blocks of 16
+    got = pallas_gmm.grouped_matmul(rows, weights, sizes, row_groups, block_k=32, rowwise_max_rows=rowwise_max_rows,
+                                    interpret=True)  # 2 K blocks, N blocks of 16
     assert got.shape == want.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -59,7 +61,7 @@ def test_pallas_interpret_matches_gather_bf16_prefill_tiles():
     rows, weights, sizes, row_groups = _problem(sizes, 128, 64, jnp.bfloat16, seed=1)
     want = gather_matmul(rows.astype(jnp.float32), weights.astype(jnp.float32), row_groups,
                          precision=jax.lax.Precision.HIGHEST)
-    got = pallas_gmm.grouped_matmul(rows, weights, sizes, interpret=True)
+    got = pallas_gmm.grouped_matmul(rows, weights, sizes, row_groups, interpret=True)
     assert got.dtype == jnp.bfloat16
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -74,7 +76,7 @@ def test_dispatcher_choices_and_errors():
     with pytest.raises(ValueError, match="moe_grouped_matmul='dense' is unknown"):
         gmm.resolve("dense")
     with pytest.raises(ValueError, match="multiple of 16, got 40"):
-        pallas_gmm.grouped_matmul(*_problem([2, 3], 40, 16, jnp.float32)[:3], interpret=True)
+        pallas_gmm.grouped_matmul(*_problem([2, 3], 40, 16, jnp.float32), interpret=True)
 
 
 def test_auto_on_one_gpu_gathers_few_rows_and_falls_back_with_a_reason(monkeypatch):
@@ -104,7 +106,7 @@ def test_pallas_gradients_equal_the_gather_paths():
     want = jax.grad(loss(lambda r, w: gather_matmul(r, w, row_groups, precision=highest)), argnums=(0, 1))(rows,
                                                                                                           weights)
     with jax.default_matmul_precision("highest"):
-        got = jax.grad(loss(lambda r, w: pallas_gmm.grouped_matmul(r, w, sizes, interpret=True)), argnums=(0, 1))(
-            rows, weights)
+        got = jax.grad(loss(lambda r, w: pallas_gmm.grouped_matmul(r, w, sizes, row_groups, interpret=True)),
+                       argnums=(0, 1))(rows, weights)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

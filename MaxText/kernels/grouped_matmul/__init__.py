@@ -9,7 +9,8 @@ Implementations:
               row, so it suits CPU and few rows.
   ragged_dot  `jax.lax.ragged_dot`. A native grouped GEMM on TPU; XLA:GPU (JAX 0.11.2) and XLA:CPU expand it into a
               dense product over every group (measured on an H200: 15-30x the time at 256 experts vs 8).
-  pallas      pallas_gmm.py, a Triton grouped matmul that reads each used group's matrix once per block of rows.
+  pallas      pallas_gmm.py, a Triton grouped matmul that reads each used group's matrix once per block of rows
+              (a vector-matrix grid for <= 64 rows).
               NVIDIA GPU only, and not under a multi-device mesh (XLA cannot partition a Pallas call; the sharded
               MoE keeps ragged_dot). Differentiable through ragged_dot's backward (training: fast forward only).
   auto        on an NVIDIA GPU without a multi-device mesh: gather up to GATHER_MAX_ROWS rows (decode of <= 8
@@ -83,7 +84,7 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights.shape[2], rows.shape[0])
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        return pallas_gmm.grouped_matmul(rows, weights, group_sizes)
+        return pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups)
     if chosen == "ragged_dot":
         return jax.lax.ragged_dot(rows, weights, group_sizes, precision=precision)
     return gather_matmul(rows, weights, row_groups, precision=precision)
