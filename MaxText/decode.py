@@ -49,12 +49,8 @@ def decode(config, params=None) -> DecodeResult:
     new_ids = engine.generate([prompt_ids], config.max_new_tokens, temperature=config.temperature,
                               seed=config.seed, eos_id=tokenizer.eos_id, speculative=config.speculative,
                               num_draft_tokens=config.num_draft_tokens, draft_engine=load_draft_engine(config))[0]
-    stats = engine.last_stats
-    if config.speculative != "none":
-        logger.info("speculative=%s, k=%d: acceptance %.1f%%, %.2f tokens per verify step, %d verify steps",
-                    config.speculative, config.num_draft_tokens, 100 * stats.acceptance_rate, stats.tokens_per_step,
-                    stats.verify_steps)
-    return DecodeResult(config.prompt, tokenizer.decode(new_ids), new_ids, stats)
+    # Acceptance is logged by the speculative loop and printed by train_or_decode.py from these stats.
+    return DecodeResult(config.prompt, tokenizer.decode(new_ids), new_ids, engine.last_stats)
 
 
 def load_draft_engine(config) -> Engine | None:
