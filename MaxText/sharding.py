@@ -167,11 +167,14 @@ def mesh_spec(logical_axes: tuple[str | None, ...], rules) -> PartitionSpec:
     return nn.logical_to_mesh_axes(logical_axes, rules)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, a mesh axis name, or a tuple of them) as a tuple of mesh axis names."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def spec_size(spec: PartitionSpec, mesh: Mesh, dim: int) -> int:
     """How many shards dim `dim` of an array with `spec` is split into on `mesh`."""
-    entry = spec[dim] if dim < len(spec) else None
-    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in entry_axes(spec[dim] if dim < len(spec) else None))
 
 
 @contextlib.contextmanager
@@ -212,6 +215,14 @@ def abstract_boxed_params(config: ml_collections.FrozenConfigDict) -> Any:
     return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, model_mode="train"))["params"]
 
 
+def flat_param_axes(config: ml_collections.FrozenConfigDict) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple]]:
+    """path -> (shape, logical axis names, one per dim; None where the param has no annotation)."""
+    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(abstract_boxed_params(config)))
+    return {path: (tuple(nn.unbox(boxed).shape),
+                   tuple(boxed.names) if isinstance(boxed, nn.LogicallyPartitioned) else (None,) * len(boxed.shape))
+            for path, boxed in flat.items()}
+
+
 def param_mesh_specs(config: ml_collections.FrozenConfigDict) -> Any:
     """Tree (the unboxed params' structure) of mesh PartitionSpecs from the params' logical annotations."""
     return nn.logical_to_mesh(nn.get_partition_spec(abstract_boxed_params(config)), logical_rules(config))
@@ -237,7 +248,7 @@ def _divisibility_problems(shapes: Mapping[tuple, tuple[int, ...]], specs: Mappi
         for dim, size in enumerate(shape):
             shards = spec_size(spec, mesh, dim)
             if size % shards:
-                axes = spec[dim] if isinstance(spec[dim], str) else "*".join(spec[dim])
+                axes = "*".join(entry_axes(spec[dim]))
                 problems.append(f"param {'/'.join(path)} {list(shape)}: dim {dim} (logical {logical[path][dim]!r}) "
                                 f"has {size} entries, which the {shards} shards of mesh axis {axes} do not divide")
     return problems
@@ -264,12 +275,10 @@ def check_mesh_fits_model(config: ml_collections.FrozenConfigDict, mesh: Mesh) -
             raise ShardingError(f"{count} {what} cannot be split over the {shards} devices of mesh axis "
                                 f"{spec[0]} (mesh {describe_mesh(mesh)}): the mesh size on that axis must divide "
                                 f"{count}")
-    boxed = abstract_boxed_params(config)
-    flat_boxed = flax.traverse_util.flatten_dict(flax.core.unfreeze(boxed))
-    logical = {p: tuple(b.names) if isinstance(b, nn.LogicallyPartitioned) else (None,) * len(b.shape)
-               for p, b in flat_boxed.items()}
+    axes = flat_param_axes(config)
+    shapes = {p: shape for p, (shape, _) in axes.items()}
+    logical = {p: names for p, (_, names) in axes.items()}
     specs = {p: mesh_spec(names, rules) for p, names in logical.items()}
-    shapes = {p: tuple(nn.unbox(b).shape) for p, b in flat_boxed.items()}
     problems = _divisibility_problems(shapes, specs, logical, mesh)
     if problems:
         more = f" ... and {len(problems) - 8} more" if len(problems) > 8 else ""
@@ -313,11 +322,7 @@ def cache_shardings(cache: Any, mesh: Mesh, config: Mapping[str, Any]) -> Any:
 
 def is_fully_replicated(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> bool:
     """True when no dim of an array with `spec` is split over a mesh axis of size > 1."""
-    for entry in spec:
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-        if math.prod(mesh_sizes.get(a, 1) for a in axes) > 1:
-            return False
-    return True
+    return all(math.prod(mesh_sizes.get(a, 1) for a in entry_axes(entry)) == 1 for entry in spec)
 
 
 def param_spec_table(config: ml_collections.FrozenConfigDict, mesh_sizes: Mapping[str, int]
@@ -327,12 +332,9 @@ def param_spec_table(config: ml_collections.FrozenConfigDict, mesh_sizes: Mappin
     Uses `jax.eval_shape` only: nothing of the model is allocated, so the 48B config is fine on any machine.
     """
     rules = logical_rules(config)
-    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(abstract_boxed_params(config)))
     rows = []
-    for path, boxed in flat.items():
-        names = tuple(boxed.names) if isinstance(boxed, nn.LogicallyPartitioned) else (None,) * len(boxed.shape)
+    for path, (shape, names) in flat_param_axes(config).items():
         spec = mesh_spec(names, rules)
-        shape = tuple(nn.unbox(boxed).shape)
         rows.append(("/".join(path), shape, names, spec, is_fully_replicated(spec, mesh_sizes)))
     rows.sort(key=lambda row: (-int(np.prod(row[1], dtype=np.int64)), row[0]))
     return rows

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
-from MaxText import pyconfig, sharding
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from MaxText import pyconfig, sharding  # noqa: E402
 
 LARGE = 1_000_000  # elements
 
@@ -33,9 +36,7 @@ def mesh_sizes(config, devices: int | None) -> dict[str, int]:
 def shard_shape(shape, spec, sizes) -> tuple[int, ...]:
     out = []
     for dim, size in enumerate(shape):
-        entry = spec[dim] if dim < len(spec) else None
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-        out.append(size // math.prod(sizes[a] for a in axes))
+        out.append(size // math.prod(sizes[a] for a in sharding.entry_axes(spec[dim] if dim < len(spec) else None)))
     return tuple(out)
 
 
