@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.kernels.kda.common import kda_gate, l2norm
 from MaxText.kernels.kda.naive import kda_step
+from MaxText.kernels.kda.sharded import spec_axes
 
 
 class PackedLayout:
@@ -106,8 +107,7 @@ def shard_map_packed_decode(kernel_fn: Callable, mesh, row_axes: Sequence[str], 
     is batch row i); a slot held by another shard is treated as padding there (zero output, no state written).
     B and S must be multiples of the row shards, H of the head shards.
     """
-    rows = tuple(row_axes) or None
-    heads = tuple(head_axes) or None
+    rows, heads = spec_axes(row_axes), spec_axes(head_axes)
     in_specs = (P(rows, None, heads, None), P(rows, heads, None), P(rows, heads, None), P(rows, heads), P(heads),
                 P(heads), P(rows, heads, None, None), P(rows))
     out_specs = (P(rows, heads, None), P(rows, heads, None, None))

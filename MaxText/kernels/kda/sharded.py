@@ -23,15 +23,30 @@ from jax.sharding import PartitionSpec as P
 ARRAY_ARGS = ("initial_state", "A_log", "dt_bias", "segment_ids")
 
 
-def _axes(names: Sequence[str]):
+def spec_axes(names: Sequence[str]):
+    """Mesh axis names -> one PartitionSpec entry (None when there are none)."""
     names = tuple(names)
     return None if not names else (names[0] if len(names) == 1 else names)
+
+
+def shard_map_kernel(kernel_fn: Callable, mesh, arrays: dict, specs: dict, out_specs, **static_kwargs):
+    """kernel_fn(q, k, v, g, beta, **the other arrays, **static_kwargs) under `jax.shard_map`: `arrays` (name ->
+    global array; q, k, v, g, beta included) split by `specs` (name -> PartitionSpec), the results by `out_specs`."""
+    names = tuple(arrays)
+
+    def local(*values):
+        local_args = dict(zip(names, values))
+        inputs = [local_args.pop(n) for n in ("q", "k", "v", "g", "beta")]
+        return kernel_fn(*inputs, **local_args, **static_kwargs)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names), out_specs=out_specs,
+                         check_vma=False)(*arrays.values())
 
 
 def shard_map_over_rows_and_heads(kernel_fn: Callable, mesh, row_axes: Sequence[str], head_axes: Sequence[str]
                                   ) -> Callable:
     """`kernel_fn` (the fla-style KDA signature) run per shard of rows (over `row_axes`) and heads (`head_axes`)."""
-    rows, heads = _axes(row_axes), _axes(head_axes)
+    rows, heads = spec_axes(row_axes), spec_axes(head_axes)
     specs = {
         "q": P(rows, None, heads, None), "k": P(rows, None, heads, None), "v": P(rows, None, heads, None),
         "g": P(rows, None, heads, None), "beta": P(rows, None, heads), "initial_state": P(rows, heads, None, None),
@@ -45,17 +60,11 @@ def shard_map_over_rows_and_heads(kernel_fn: Callable, mesh, row_axes: Sequence[
         arrays.update({name: kwargs.pop(name) for name in ARRAY_ARGS if kwargs.get(name) is not None})
         for name in ARRAY_ARGS:
             kwargs.pop(name, None)
-        names = tuple(arrays)
-
-        def local(*values):
-            local_args = dict(zip(names, values))
-            inputs = [local_args.pop(n) for n in ("q", "k", "v", "g", "beta")]
-            o, final_state = kernel_fn(*inputs, output_final_state=output_final_state, **local_args, **kwargs)
-            return (o, final_state) if output_final_state else o
-
-        out_specs = (specs["q"], specs["initial_state"]) if output_final_state else specs["q"]
-        result = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names), out_specs=out_specs,
-                               check_vma=False)(*arrays.values())
-        return result if output_final_state else (result, None)
+        if output_final_state:
+            return shard_map_kernel(kernel_fn, mesh, arrays, specs, (specs["q"], specs["initial_state"]),
+                                    output_final_state=True, **kwargs)
+        output_only = lambda *a, **kw: kernel_fn(*a, **kw)[0]  # noqa: E731
+        return shard_map_kernel(output_only, mesh, arrays, specs, specs["q"], output_final_state=False,
+                                **kwargs), None
 
     return sharded

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.kernels.kda.common import prepare_inputs
 from MaxText.kernels.kda.naive import kda_step
+from MaxText.kernels.kda.sharded import shard_map_kernel, spec_axes
 
 
 def recurrent_kda_checkpoints(q, k, v, g, beta, *, initial_state, checkpoint_dtype=jnp.float32, scale=None,
@@ -96,8 +97,7 @@ def shard_map_verify(kernel_fn: Callable, mesh, row_axes: Sequence[str], head_ax
     each shard's rows keep their whole rings and slot numbers. (sharded.py's wrapper returns a final state; this one
     the checkpoints or the ring.)
     """
-    rows = tuple(row_axes) or None
-    heads = tuple(head_axes) or None
+    rows, heads = spec_axes(row_axes), spec_axes(head_axes)
     per_token = P(rows, None, heads, None)  # q, k, v, g, o: [B, T, H, K]
     per_slot = P(rows, None, heads, None, None)  # checkpoints [B, T, H, K, V], state_ring [B, S, H, K, V]
     specs = {"q": per_token, "k": per_token, "v": per_token, "g": per_token, "beta": P(rows, None, heads),
@@ -112,14 +112,6 @@ def shard_map_verify(kernel_fn: Callable, mesh, row_axes: Sequence[str], head_ax
         for name in ("A_log", "dt_bias"):  # H and H*K values, head-major: a split over heads keeps each head's own
             if name in arrays:
                 arrays[name] = arrays[name].reshape(-1)
-        names = tuple(arrays)
-
-        def local(*values):
-            local_args = dict(zip(names, values))
-            inputs = [local_args.pop(n) for n in ("q", "k", "v", "g", "beta")]
-            return kernel_fn(*inputs, **local_args, **kwargs)
-
-        return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names), out_specs=(per_token, per_slot),
-                             check_vma=False)(*arrays.values())
+        return shard_map_kernel(kernel_fn, mesh, arrays, specs, (per_token, per_slot), **kwargs)
 
     return sharded
