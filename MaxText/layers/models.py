@@ -76,12 +76,7 @@ def commit_verified_cache(config: ml_collections.FrozenConfigDict, cache, accept
     and validity), with the verify-only entries removed, so it has the structure of a prefill / autoregressive cache.
     """
     commit = {"kda": kda.commit_verified, "mla": mla.commit_verified}
-    layers = dict(cache["model"])
-    for i, kind in enumerate(config.layer_types):
-        layer = dict(layers[f"layers_{i}"])
-        layer["self_attn"] = commit[kind](layer["self_attn"], accepted_len)
-        layers[f"layers_{i}"] = layer
-    return {**cache, "model": layers}
+    return _map_attention_caches(config, cache, lambda kind, name, attn: commit[kind](attn, accepted_len))
 
 
 def rewind_cache(config: ml_collections.FrozenConfigDict, advanced, committed):
@@ -93,10 +88,18 @@ def rewind_cache(config: ml_collections.FrozenConfigDict, advanced, committed):
     ring slot, MLA index and validity) from `committed`.
     """
     advanced_buffer = {"kda": "recurrent_state", "mla": "latent"}
-    layers = dict(committed["model"])
+
+    def take_buffer(kind, name, attn):
+        buffer = advanced_buffer[kind]
+        return {**attn, buffer: advanced["model"][name]["self_attn"][buffer]}
+
+    return _map_attention_caches(config, committed, take_buffer)
+
+
+def _map_attention_caches(config: ml_collections.FrozenConfigDict, cache, fn):
+    """`cache` with each layer's attention cache replaced by fn(layer kind 'kda' | 'mla', 'layers_i', that cache)."""
+    layers = dict(cache["model"])
     for i, kind in enumerate(config.layer_types):
         name = f"layers_{i}"
-        attn = {**layers[name]["self_attn"]}
-        attn[advanced_buffer[kind]] = advanced["model"][name]["self_attn"][advanced_buffer[kind]]
-        layers[name] = {**layers[name], "self_attn": attn}
-    return {**committed, "model": layers}
+        layers[name] = {**layers[name], "self_attn": fn(kind, name, layers[name]["self_attn"])}
+    return {**cache, "model": layers}

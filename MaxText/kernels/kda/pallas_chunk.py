@@ -300,7 +300,7 @@ def recurrence(qg, kg, w, u, aqk, g_last, initial_state, chunk_offsets, *, out_d
         out_shape=(jax.ShapeDtypeStruct((total, H, V), out_dtype),
                    jax.ShapeDtypeStruct((n_seq, H, K, V), F32)),
         grid=(V // block_v, H, n_seq),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="kda_chunk_recurrence",
     )(qg, kg, w, u, aqk, g_last, initial_state, chunk_offsets)
