@@ -20,7 +20,7 @@ Implementations:
 The GPU threshold is measured (H200, JAX 0.11.2, Kimi-Linear-48B, benchmarks/RESULTS.md): whole decode steps at
 batch 1 and 8 (8 and 64 rows per MoE layer) took 9.4 / 9.5 ms with gather and 11.1 / 15.6 ms with pallas, while at
 512 rows one expert product took 0.39 ms with pallas and 7.4 ms with gather (and a 4096-token prefill fell from
-4.4 s with ragged_dot to 0.24 s).
+4.4 s with ragged_dot to 0.24 s, in two runs of benchmarks/model_decode.py).
 """
 
 from __future__ import annotations
