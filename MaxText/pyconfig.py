@@ -31,6 +31,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
+    "dense_matmul": ("auto", "xla", "pallas"),
     "speculative": ("none", "ngram", "draft_model"),
     "verify_checkpoint_dtype": ("float32",),
     "jax_distributed_initialize": ("auto", "always", "never"),

@@ -1,23 +1,33 @@
 """MoE grouped matmul on one GPU: the Pallas kernel against XLA's ragged_dot and the gather path, same run, same
 inputs, at Kimi-Linear-48B's expert shapes (256 experts, top-8, emb 2304, expert width 1024, bf16).
 
-    python benchmarks/grouped_matmul.py [--out DIR] [--tokens 1 8 64 512 4096]
+    python benchmarks/grouped_matmul.py [--out DIR] [--tokens 1 8 64 512 4096] [--sweep]
 
-For each token count, tokens route to top-8 distinct experts uniformly at random; rows are sorted by expert. Times
-(median of back-to-back calls, kda_kernels.time_jax) the Pallas kernel (and, up to 64 rows, where it runs its
-vector-matrix `rows` grid, its `tiles` grid too), ragged_dot and gather on the gate/up shape (K 2304 -> N 1024) and the down shape
-(K 1024 -> N 2304); reports the weight bytes of the experts in use / time; checks every implementation against the
-fp32 gather oracle (computed over chunks of rows; relative L2 <= 1e-2). Gather is timed up to 512 rows (it
-materializes one [K, N] matrix per row). Writes grouped_matmul.json.
+For each token count, tokens route to top-8 distinct experts uniformly at random; rows are sorted by expert. Each
+timed call runs the product for --layers independent layers (own weights, own routing) inside one jitted program, as
+a decode step does: no weight is read twice, so the experts in use do not stay in the 50 MB L2 cache between calls,
+and dispatch costs nothing per product. Reported time = median (kda_kernels.time_jax) / layers. Times the Pallas
+kernel (and, up to 64 rows, where it runs its vector-matrix `rows` grid, its `tiles` grid too), ragged_dot (up to
+512 rows: it reads every expert) and gather (up to 512 rows: it materializes one [K, N] matrix per row) on the
+gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports the weight bytes of the experts in
+use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
+Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot against
+the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and
+token count and prints the fastest. --profile lists each timed program's top device kernels (jax.profiler; XLA runs small programs as CUDA graphs,
+which a trace shows as one op: set XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
+Writes grouped_matmul.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -31,18 +41,55 @@ from MaxText.kernels.grouped_matmul import pallas_gmm  # noqa: E402
 from MaxText.kernels.grouped_matmul.naive import gather_matmul  # noqa: E402
 
 EXPERTS, TOP_K, EMB, WIDTH = 256, 8, 2304, 1024
-GATHER_MAX_ROWS = 512
+# The dense projections of a decode step (config `dense_matmul`): name, K, N.
+DENSE_SHAPES = (("kda q/k/v_proj", EMB, 4096), ("kda o_proj", 4096, EMB), ("shared gate/up", EMB, WIDTH),
+                ("shared down", WIDTH, EMB), ("lm_head", EMB, 163840))
+XLA_MAX_ROWS = 512  # ragged_dot and gather are timed up to this many rows
 ORACLE_CHUNK = 256  # rows per gather of the oracle
+# --sweep: the `rows` grid (rowwise_max_rows=64; timed up to 64 rows) and the `tiles` grid (0) over tile options.
+SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128) for bk in (128, 256)
+         for sk in (1, 2, 4)] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
+                                 for bk in (64, 128) for sk in (1, 2, 4)] + [
+    dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)]
 
 
-def routed_rows(rng, tokens: int, contract: int):
-    """Sorted rows of `tokens` tokens x top-8 distinct uniform experts: rows [M, K] bf16, group_sizes [E], row
-    groups [M], distinct experts in use."""
-    experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)]).reshape(-1)
-    row_groups = np.sort(experts).astype(np.int32)
-    rows = jnp.asarray(rng.normal(size=(row_groups.size, contract)), jnp.bfloat16)
-    sizes = np.bincount(row_groups, minlength=EXPERTS).astype(np.int32)
-    return rows, jnp.asarray(sizes), jnp.asarray(row_groups), int((sizes > 0).sum())
+def routed_rows(rng, tokens: int, contract: int, layers: int):
+    """Per layer, sorted rows of `tokens` tokens x top-8 distinct uniform experts: lists of rows [M, K] bf16,
+    group_sizes [E], row groups [M]; and the distinct experts in use per layer (mean)."""
+    rows, sizes, groups, used = [], [], [], []
+    for _ in range(layers):
+        experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)]).reshape(-1)
+        row_groups = np.sort(experts).astype(np.int32)
+        rows.append(jnp.asarray(rng.normal(size=(row_groups.size, contract)), jnp.bfloat16))
+        counts = np.bincount(row_groups, minlength=EXPERTS).astype(np.int32)
+        sizes.append(jnp.asarray(counts))
+        groups.append(jnp.asarray(row_groups))
+        used.append(int((counts > 0).sum()))
+    return rows, sizes, groups, float(np.mean(used))
+
+
+def per_layer(impl):
+    """One jitted program (XLA module jit_grouped_layers) applying impl(rows, weights, sizes, groups) to every
+    layer's own inputs."""
+    def grouped_layers(rows, weights, sizes, groups):
+        return [impl(*a) for a in zip(rows, weights, sizes, groups)]
+    return jax.jit(grouped_layers)
+
+
+def kernel_profile(fn, args, calls: int = 3, top: int = 6) -> list[tuple[str, float]]:
+    """The device kernels of `calls` calls of fn (a per_layer program) under jax.profiler: the `top` HLO ops by
+    time, as (op: kernel, microseconds per call)."""
+    from benchmarks.model_decode import device_op_times, find_xplane  # pylint: disable=import-outside-toplevel
+    trace_dir = tempfile.mkdtemp(prefix="grouped_matmul_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([fn(*args) for _ in range(calls)])
+        times = device_op_times(find_xplane(trace_dir), "jit_grouped_layers",
+                                 accelerator=jax.default_backend() != "cpu")
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    ranked = sorted(times.nanoseconds.items(), key=lambda item: -item[1])[:top]
+    return [(f"{op}: {times.kernels[op][:60]}", ns / calls / 1e3) for op, ns in ranked]
 
 
 def oracle(rows, weights, row_groups):
@@ -54,52 +101,107 @@ def oracle(rows, weights, row_groups):
     return out.reshape(-1, weights.shape[2])[:rows.shape[0]]
 
 
+def bench_dense(args, rng) -> list[dict]:
+    """The dense projections at --dense-rows rows: XLA's jnp.dot against the Pallas kernel with one group
+    (pallas_gmm.dense_matmul), --layers independent weights per timed program; weight bytes / time."""
+    rows_out = []
+    for index, (name, contract, out_dim) in enumerate(DENSE_SHAPES):
+        keys = jax.random.split(jax.random.key(100 + index), args.layers)
+        kernels = [(jax.random.normal(k, (contract, out_dim)) / np.sqrt(contract)).astype(jnp.bfloat16)
+                   for k in keys]  # [K, N] per layer
+        for num_rows in args.dense_rows:
+            xs = [jnp.asarray(rng.normal(size=(num_rows, contract)), jnp.bfloat16) for _ in range(args.layers)]
+            want = jnp.dot(xs[0].astype(jnp.float32), kernels[0].astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
+            row = {"shape": name, "K": contract, "N": out_dim, "rows": num_rows, "ok": True}
+            for impl, fn in (("xla", lambda x, w: jnp.dot(x, w)), ("pallas", pallas_gmm.dense_matmul)):
+                program = jax.jit(lambda xs_, ws_, fn=fn: [fn(x, w) for x, w in zip(xs_, ws_)])
+                err = rel_l2(program(xs, kernels)[0], want)
+                seconds = time_jax(program, xs, kernels) / args.layers
+                row["ok"] &= err <= 1e-2
+                row[impl] = {"us": seconds * 1e6, "rel_l2": err, "weight_TBps": contract * out_dim * 2 / seconds / 1e12}
+            rows_out.append(row)
+            print(f"  dense {name} [{num_rows}, {contract}] x [{contract}, {out_dim}]: " + ", ".join(
+                f"{impl} {row[impl]['us']:.1f} us ({row[impl]['weight_TBps']:.2f} TB/s, err {row[impl]['rel_l2']:.1e})"
+                for impl in ("xla", "pallas")), flush=True)
+    print("\n| dense projection | rows | xla us | pallas us | xla weight TB/s | pallas weight TB/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows_out:
+        print(f"| {r['shape']} ({r['K']} -> {r['N']}) | {r['rows']} | {r['xla']['us']:.1f} | {r['pallas']['us']:.1f} | "
+              f"{r['xla']['weight_TBps']:.2f} | {r['pallas']['weight_TBps']:.2f} |")
+    return rows_out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
+    parser.add_argument("--layers", type=int, default=4, help="independent layers per timed program")
+    parser.add_argument("--sweep", action="store_true", help="time the Pallas kernel's tile options instead")
+    parser.add_argument("--dense-rows", type=int, nargs="*", default=[1, 8],
+                        help="rows of the dense-projection comparison (none: skip it)")
+    parser.add_argument("--profile", action="store_true", help="also list each program's top device kernels")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv)}
     print(json.dumps(env), flush=True)
     results, ok = [], True
-    for name, contract, out_dim in (("gate/up", EMB, WIDTH), ("down", WIDTH, EMB)):
-        weights = jnp.asarray(rng.normal(size=(EXPERTS, contract, out_dim)) / np.sqrt(contract), jnp.bfloat16)
-        weights_f32 = weights.astype(jnp.float32)
+    for shape_index, (name, contract, out_dim) in enumerate((("gate/up", EMB, WIDTH), ("down", WIDTH, EMB))):
+        keys = jax.random.split(jax.random.key(shape_index), args.layers)
+        weights = [(jax.random.normal(k, (EXPERTS, contract, out_dim)) / np.sqrt(contract)).astype(jnp.bfloat16)
+                   for k in keys]  # made on the device: [E, K, N] bf16 per layer
+        weights_f32 = weights[0].astype(jnp.float32)
         for tokens in args.tokens:
-            rows, sizes, row_groups, used = routed_rows(rng, tokens, contract)
-            want = jax.jit(oracle)(rows, weights_f32, row_groups)
-            impls = {"pallas": jax.jit(lambda r, w, s, g: pallas_gmm.grouped_matmul(r, w, s, g))}
-            if rows.shape[0] <= pallas_gmm.ROWWISE_MAX_ROWS:  # pallas ran its `rows` grid: time `tiles` as well
-                impls["pallas_tiles"] = jax.jit(lambda r, w, s, g: pallas_gmm.grouped_matmul(r, w, s, g,
-                                                                                             rowwise_max_rows=0))
-            impls["ragged_dot"] = jax.jit(lambda r, w, s, g: jax.lax.ragged_dot(r, w, s))
-            if rows.shape[0] <= GATHER_MAX_ROWS:
-                impls["gather"] = jax.jit(lambda r, w, s, g: gather_matmul(r, w, g))
+            rows, sizes, groups, used = routed_rows(rng, tokens, contract, args.layers)
+            want = jax.jit(oracle)(rows[0], weights_f32, groups[0])
+            if args.sweep:
+                impls = {json.dumps(opts): functools.partial(pallas_gmm.grouped_matmul, **opts) for opts in SWEEP
+                         if opts["rowwise_max_rows"] == 0 or rows[0].shape[0] <= opts["rowwise_max_rows"]}
+            else:
+                impls = {"pallas": pallas_gmm.grouped_matmul}
+                if rows[0].shape[0] <= pallas_gmm.ROWWISE_MAX_ROWS:  # pallas ran its `rows` grid: time `tiles` too
+                    impls["pallas_tiles"] = functools.partial(pallas_gmm.grouped_matmul, rowwise_max_rows=0)
+                if rows[0].shape[0] <= XLA_MAX_ROWS:
+                    impls["ragged_dot"] = lambda r, w, s, g: jax.lax.ragged_dot(r, w, s)
+                    impls["gather"] = lambda r, w, s, g: gather_matmul(r, w, g)
             weight_bytes = used * contract * out_dim * 2
-            row = {"shape": name, "tokens": tokens, "rows": int(rows.shape[0]), "experts_used": used}
+            row = {"shape": name, "tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used}
             for impl, fn in impls.items():
-                err = rel_l2(fn(rows, weights, sizes, row_groups), want)
-                seconds = time_jax(fn, rows, weights, sizes, row_groups)
+                try:
+                    fn = per_layer(fn)
+                    err = rel_l2(fn(rows, weights, sizes, groups)[0], want)
+                except ValueError as e:  # a sweep option that does not divide this shape
+                    print(f"  skip {impl}: {e}")
+                    continue
+                seconds = time_jax(fn, rows, weights, sizes, groups) / args.layers
                 ok &= err <= 1e-2
                 row[impl] = {"us": seconds * 1e6, "rel_l2": err, "expert_weight_TBps": weight_bytes / seconds / 1e12}
+                if args.profile:
+                    row[impl]["kernels_us_per_call"] = kernel_profile(fn, (rows, weights, sizes, groups))
+                    print(f"  {name} tokens={tokens} {impl} kernels (us per call of {args.layers} layers): "
+                          + "; ".join(f"{op} {us:.1f}" for op, us in row[impl]["kernels_us_per_call"]), flush=True)
             results.append(row)
-            print(f"  {name} tokens={tokens} rows={row['rows']} experts={used}: " + ", ".join(
-                f"{impl} {r['us']:.1f} us ({r['expert_weight_TBps']:.2f} TB/s, err {r['rel_l2']:.1e})"
-                for impl, r in row.items() if isinstance(r, dict)), flush=True)
-    print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "
-          "pallas expert-weight TB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        cell = lambda impl: f"{r[impl]['us']:.1f}" if impl in r else "-"  # noqa: E731
-        print(f"| {r['shape']} | {r['tokens']} | {r['rows']} | {r['experts_used']} | {cell('pallas')} | "
-              f"{cell('pallas_tiles')} | {cell('ragged_dot')} | {cell('gather')} | "
-              f"{r['pallas']['expert_weight_TBps']:.2f} |")
+            timed = {k: v for k, v in row.items() if isinstance(v, dict)}
+            shown = sorted(timed, key=lambda k: timed[k]["us"])[:5] if args.sweep else timed
+            print(f"  {name} tokens={tokens} rows={row['rows']} experts={used:.1f}: " + ", ".join(
+                f"{impl} {timed[impl]['us']:.1f} us ({timed[impl]['expert_weight_TBps']:.2f} TB/s, "
+                f"err {timed[impl]['rel_l2']:.1e})" for impl in shown), flush=True)
+    dense = [] if args.sweep else bench_dense(args, rng)
+    ok &= all(r["ok"] for r in dense)
+    if not args.sweep:
+        print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "
+              "pallas expert-weight TB/s |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            cell = lambda impl: f"{r[impl]['us']:.1f}" if impl in r else "-"  # noqa: E731
+            print(f"| {r['shape']} | {r['tokens']} | {r['rows']} | {r['experts_used']:.1f} | {cell('pallas')} | "
+                  f"{cell('pallas_tiles')} | {cell('ragged_dot')} | {cell('gather')} | "
+                  f"{r['pallas']['expert_weight_TBps']:.2f} |")
     print("correctness: all within 1e-2 relative L2" if ok else "CORRECTNESS FAILURE", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "grouped_matmul.json"), "w") as f:
-        json.dump({"env": env, "results": results, "ok": ok}, f, indent=1)
+        json.dump({"env": env, "results": results, "dense": dense, "ok": ok}, f, indent=1)
     return 0 if ok else 1
 
 

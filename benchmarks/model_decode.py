@@ -344,12 +344,11 @@ def load_benchmark_config(args, **extra) -> ml_collections.FrozenConfigDict:
     return pyconfig.load_config(args.config, overrides)
 
 
-def moe_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, tokens: int) -> str:
-    """The grouped matmul that `config.moe_grouped_matmul` resolves to on `mesh` for a call of `tokens` tokens (what
-    the step runs; the expert widths decide with the gate/up products' shapes)."""
+def moe_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh) -> str:
+    """The grouped matmul that `config.moe_grouped_matmul` resolves to on `mesh` (what the step runs; the expert
+    widths decide with the gate/up products' shapes)."""
     with sharding.mesh_context(mesh, config):
-        return grouped_matmul.resolve(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim,
-                                      tokens * config.num_experts_per_tok)
+        return grouped_matmul.resolve(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim)
 
 
 def moe_label(row: dict) -> str:
@@ -461,7 +460,7 @@ def run_prefill(setup: Setup, args, results) -> Any:
         log(f"prefill: run {run} {'(warm-up) ' if run == 0 else ''}{times[-1] * 1e3:.1f} ms{memory_note()}")
     seconds = statistics.median(times[1:])
     results["prefill"] = {"prompt_len": args.prompt_len, "batch": 1, "chunk": chunk, "moe": config.moe_grouped_matmul,
-                          "moe_impl": moe_implementation(config, setup.mesh, chunk),
+                          "moe_impl": moe_implementation(config, setup.mesh),
                           "compile_s": compile_s, "ms": seconds * 1e3, "tokens_per_s": args.prompt_len / seconds,
                           "runs_ms": [t * 1e3 for t in times[1:]], "warmup_ms": times[0] * 1e3}
     return cache
@@ -545,7 +544,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
     tpot = statistics.median(blocks)
     per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
-    row = {"batch": batch, "moe": moe, "moe_impl": moe_implementation(config, setup.mesh, batch),
+    row = {"batch": batch, "moe": moe, "moe_impl": moe_implementation(config, setup.mesh),
            "context": args.prompt_len, "cache": "prefill" if prefilled is not None else
            "synthetic", "compile_s": compile_s, "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
            "block_ms": [b * 1e3 for b in blocks], "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,

@@ -45,13 +45,14 @@ def test_tile_schedule_covers_every_row_once_within_its_group(name, block_m):
     assert len(group) >= sum(-(-n // block_m) for n in sizes)  # the static bound holds every real tile
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("rowwise_max_rows", [0, 1000])  # the `tiles` grid, the `rows` grid
 @pytest.mark.parametrize("name", list(GROUP_SIZES))
-def test_pallas_interpret_matches_gather_fp32(name, rowwise_max_rows):
+def test_pallas_interpret_matches_gather_fp32(name, rowwise_max_rows, split_k):
     rows, weights, sizes, row_groups = _problem(GROUP_SIZES[name], 64, 48, jnp.float32)
     want = gather_matmul(rows, weights, row_groups, precision=jax.lax.Precision.HIGHEST)
-    got = pallas_gmm.grouped_matmul(rows, weights, sizes, row_groups, block_k=32, rowwise_max_rows=rowwise_max_rows,
-                                    interpret=True)  # 2 K blocks, N blocks of 16
+    got = pallas_gmm.grouped_matmul(rows, weights, sizes, row_groups, block_k=32, split_k=split_k,
+                                    rowwise_max_rows=rowwise_max_rows, interpret=True)  # 2 K blocks, N blocks of 16
     assert got.shape == want.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -75,19 +76,19 @@ def test_dispatcher_choices_and_errors():
         gmm.resolve("pallas")
     with pytest.raises(ValueError, match="moe_grouped_matmul='dense' is unknown"):
         gmm.resolve("dense")
+    with pytest.raises(ValueError, match="split_k=3 must divide the 2 blocks of 32"):
+        pallas_gmm.grouped_matmul(*_problem([2, 3], 64, 16, jnp.float32), block_k=32, split_k=3, interpret=True)
     with pytest.raises(ValueError, match="multiple of 16, got 40"):
         pallas_gmm.grouped_matmul(*_problem([2, 3], 40, 16, jnp.float32), interpret=True)
 
 
-def test_auto_on_one_gpu_gathers_few_rows_and_falls_back_with_a_reason(monkeypatch):
+def test_auto_on_one_gpu_takes_pallas_and_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setattr(gmm.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: None)
-    assert gmm.resolve("auto", num_rows=gmm.GATHER_MAX_ROWS) == "gather"  # decode of few tokens
-    assert gmm.resolve("auto", num_rows=gmm.GATHER_MAX_ROWS + 1) == "pallas"
     assert gmm.resolve("auto") == "pallas"
-    assert gmm.resolve("pallas", num_rows=8) == "pallas"  # an explicit choice is kept
+    assert gmm.resolve("gather") == "gather"  # an explicit choice is kept
     monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: "a 2-device mesh is current")
-    assert gmm.resolve("auto", num_rows=4096) == "ragged_dot"
+    assert gmm.resolve("auto") == "ragged_dot"
     with pytest.raises(RuntimeError, match="pallas was requested, but a 2-device mesh is current"):
         gmm.resolve("pallas")
 
@@ -110,3 +111,58 @@ def test_pallas_gradients_equal_the_gather_paths():
                        argnums=(0, 1))(rows, weights)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("contract,out_dim,want", [(2304, 4096, 4), (4096, 2304, 8), (2304, 1024, 18),
+                                                    (1024, 2304, 8), (256, 128, 4)])
+def test_dense_split_k_reaches_enough_programs_or_splits_every_block(contract, out_dim, want):
+    """Kimi-Linear-48B's q/k/v, o, shared-expert gate/up and down projections (blocks of 64): >= 256 programs."""
+    assert pallas_gmm.dense_split_k(contract, out_dim, 64, 64) == want
+
+
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_pallas_dense_matmul_interpret_matches_dot(num_rows):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(num_rows, 256)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16)
+    want = np.asarray(jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST))
+    got = pallas_gmm.dense_matmul(x, kernel, interpret=True)  # 4 K splits of one block each
+    assert got.shape == (num_rows, 128) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_dense_dispatcher_choices_and_errors(monkeypatch):
+    assert gmm.resolve_dense("auto", jnp.bfloat16, 256, 128, 1) == "xla"  # CPU
+    with pytest.raises(RuntimeError, match="dense_matmul=pallas was requested, but .*NVIDIA GPU"):
+        gmm.resolve_dense("pallas", jnp.bfloat16, 256, 128, 1)
+    with pytest.raises(ValueError, match="dense_matmul='cublas' is unknown"):
+        gmm.resolve_dense("cublas", jnp.bfloat16, 256, 128, 1)
+    monkeypatch.setattr(gmm.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: None)
+    assert gmm.resolve_dense("auto", jnp.bfloat16, 256, 128, gmm.DENSE_PALLAS_MAX_ROWS) == "pallas"  # decode
+    assert gmm.resolve_dense("auto", jnp.bfloat16, 256, 128, gmm.DENSE_PALLAS_MAX_ROWS + 1) == "xla"  # prefill
+    assert gmm.resolve_dense("auto", jnp.float32, 256, 128, 1) == "xla"
+    assert gmm.resolve_dense("pallas", jnp.float32, 256, 128, 64) == "pallas"  # an explicit choice is kept
+
+
+def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
+    """linears.Dense (every projection of the model) routes through dense_matmul: with the Pallas kernel resolved
+    (run by the interpreter here) a [B, T, K] input gives XLA's product."""
+    from MaxText import pyconfig
+    from MaxText.layers.linears import Dense
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16"])
+    calls, kernel_fn = [], pallas_gmm.dense_matmul
+
+    def interpreted(rows, kernel):
+        calls.append(rows.shape)
+        return kernel_fn(rows, kernel, interpret=True)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 1, 256)), jnp.bfloat16)
+    layer = Dense(config, 128)
+    params = layer.init(jax.random.key(0), x)
+    want = layer.apply(params, x)
+    monkeypatch.setattr(gmm, "resolve_dense", lambda *a: "pallas")
+    monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
+    got = layer.apply(params, x)
+    assert calls == [(2, 256)] and got.shape == (2, 1, 128)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)

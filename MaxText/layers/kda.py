@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
+from MaxText.layers.linears import Dense
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
 # Logical axes of the cache entries (MaxText/sharding.py shards the cache by them): rows over the data axis, the
@@ -158,10 +159,7 @@ class KimiDeltaAttention(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     def _dense(self, features, logical_axes, name):
-        cfg = self.config
-        return nn.Dense(features, use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.weight_dtype),
-                        kernel_init=nn.with_logical_partitioning(
-                            nn.initializers.normal(cfg.param_init_std), logical_axes), name=name)
+        return Dense(self.config, features, logical_axes, name=name)
 
     def _param(self, name, init, shape, logical_axes):
         return self.param(name, nn.with_logical_partitioning(init, logical_axes), shape,

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from MaxText.kernels.grouped_matmul import dense_matmul
+
 
 def matmul_precision(config: ml_collections.FrozenConfigDict) -> jax.lax.Precision:
     """HIGHEST for float32 activations (no TF32 / bf16 passes on accelerators), DEFAULT otherwise."""
@@ -46,7 +48,8 @@ class DenseKernel(nn.Module):
 class Dense(nn.Module):
     """y = x @ kernel with kernel [in, features] (the transpose of torch's Linear.weight), no bias.
 
-    x is cast to `config.dtype`, the kernel is stored in `config.weight_dtype`; y has `config.dtype`.
+    x is cast to `config.dtype`, the kernel is stored in `config.weight_dtype`; y has `config.dtype`. The product is
+    XLA's, or at decode on one GPU a Pallas kernel (config key `dense_matmul`, MaxText/kernels/grouped_matmul).
     """
     config: ml_collections.FrozenConfigDict
     features: int
@@ -55,7 +58,8 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = create_kernel(self, (x.shape[-1], self.features), self.kernel_axes)
-        return jnp.dot(x.astype(self.config.dtype), kernel, precision=matmul_precision(self.config))
+        return dense_matmul(x.astype(self.config.dtype), kernel, implementation=self.config.dense_matmul,
+                            precision=matmul_precision(self.config))
 
 
 class MLP(nn.Module):

@@ -1,4 +1,5 @@
-"""Grouped matmul of the MoE's sorted, dropless dispatch (config key `moe_grouped_matmul`):
+"""Grouped matmul of the MoE's sorted, dropless dispatch (config key `moe_grouped_matmul`), and the same Pallas
+kernel with one group as the dense projections' decode matmul (config key `dense_matmul`, `dense_matmul` below):
 
     out = grouped_matmul(rows, weights, group_sizes, row_groups, implementation="auto")
     rows [M, K] sorted by group; weights [E, K, N]; group_sizes [E] int32 (sum M); row_groups [M] int32 (the same
@@ -10,30 +11,29 @@ Implementations:
   ragged_dot  `jax.lax.ragged_dot`. A native grouped GEMM on TPU; XLA:GPU (JAX 0.11.2) and XLA:CPU expand it into a
               dense product over every group (measured on an H200: 15-30x the time at 256 experts vs 8).
   pallas      pallas_gmm.py, a Triton grouped matmul that reads each used group's matrix once per block of rows
-              (a vector-matrix grid for <= 64 rows).
+              (a vector-matrix grid, K split for parallelism, for <= 64 rows).
               NVIDIA GPU only, and not under a multi-device mesh (XLA cannot partition a Pallas call; the sharded
               MoE keeps ragged_dot). Differentiable through ragged_dot's backward (training: fast forward only).
-  auto        on an NVIDIA GPU without a multi-device mesh: gather up to GATHER_MAX_ROWS rows (decode of <= 8
-              tokens), pallas above (when its import and the shapes allow; else one log line and ragged_dot);
-              ragged_dot on TPU and sharded GPUs; gather on CPU.
+  auto        on an NVIDIA GPU without a multi-device mesh: pallas (when its import and the shapes allow; else one
+              log line and ragged_dot); ragged_dot on TPU and sharded GPUs; gather on CPU.
 
-The GPU threshold is measured (H200, JAX 0.11.2, Kimi-Linear-48B, benchmarks/RESULTS.md): whole decode steps at
-batch 1 and 8 (8 and 64 rows per MoE layer) took 9.4 / 9.5 ms with gather and 11.1 / 15.6 ms with pallas, while at
-512 rows one expert product took 0.39 ms with pallas and 7.4 ms with gather (and a 4096-token prefill fell from
-4.4 s with ragged_dot to 0.24 s, in two runs of benchmarks/model_decode.py).
+Measured on an H200 (JAX 0.11.2, Kimi-Linear-48B's experts, benchmarks/grouped_matmul.py, benchmarks/RESULTS.md):
+per expert product at 8 / 64 / 512 rows pallas 26-28 / 80-83 / 268-279 us, gather 85-122 / 643-938 / 5100-7340
+us, ragged_dot 283-290 / 318-342 / 848-1119 us (before the tuned defaults of pallas_gmm.default_tiles).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 
 import jax
+import jax.numpy as jnp
 
 from MaxText.kernels.grouped_matmul.naive import gather_matmul
 
 CHOICES = ("auto", "ragged_dot", "gather", "pallas")
-GATHER_MAX_ROWS = 64  # `auto` on one GPU: gather up to this many rows (batch * top_k), pallas above
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -53,10 +53,8 @@ def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> st
     return module.unsupported_reason(rows_dtype, contract_dim, out_dim)
 
 
-def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_dim: int = 128,
-            num_rows: int | None = None) -> str:
-    """Maps a `moe_grouped_matmul` value to the implementation that runs: 'gather' | 'ragged_dot' | 'pallas'.
-    `num_rows` (M) matters to `auto` on a GPU only; None means many rows."""
+def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_dim: int = 128) -> str:
+    """Maps a `moe_grouped_matmul` value to the implementation that runs: 'gather' | 'ragged_dot' | 'pallas'."""
     if implementation not in CHOICES:
         raise ValueError(f"moe_grouped_matmul={implementation!r} is unknown; choose one of {CHOICES}")
     if implementation in ("gather", "ragged_dot"):
@@ -67,8 +65,7 @@ def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_d
         return "ragged_dot"
     reason = pallas_unavailable_reason(rows_dtype or "bfloat16", contract_dim, out_dim)
     if reason is None:
-        few_rows = implementation == "auto" and num_rows is not None and num_rows <= GATHER_MAX_ROWS
-        return "gather" if few_rows else "pallas"
+        return "pallas"
     if implementation == "pallas":
         raise RuntimeError(f"moe_grouped_matmul=pallas was requested, but {reason}; use auto, ragged_dot or gather")
     if reason not in _logged:
@@ -81,10 +78,51 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
                    implementation: str = "auto", precision=None) -> jax.Array:
     """See the module docstring. `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16
     operands in one tensor-core pass and fp32 ones in 3-pass tf32."""
-    chosen = resolve(implementation, rows.dtype, rows.shape[1], weights.shape[2], rows.shape[0])
+    chosen = resolve(implementation, rows.dtype, rows.shape[1], weights.shape[2])
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
         return pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups)
     if chosen == "ragged_dot":
         return jax.lax.ragged_dot(rows, weights, group_sizes, precision=precision)
     return gather_matmul(rows, weights, row_groups, precision=precision)
+
+
+DENSE_CHOICES = ("auto", "xla", "pallas")
+# `auto`: the Pallas kernel for at most this many rows. Measured on an H200 (Kimi-Linear-48B decode steps, JAX 0.11.2):
+# batch 1 4.51 ms with it vs 6.70 ms with XLA; batch 8 9.08 vs 8.72 ms (benchmarks/RESULTS.md).
+DENSE_PALLAS_MAX_ROWS = 1
+
+
+def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, num_rows: int) -> str:
+    """Maps a `dense_matmul` value to 'xla' | 'pallas' for a [num_rows, contract_dim] x [contract_dim, out_dim]
+    product. auto: pallas for bfloat16 products of <= DENSE_PALLAS_MAX_ROWS rows (a batch-1 decode step) on one
+    NVIDIA GPU, else xla."""
+    if implementation not in DENSE_CHOICES:
+        raise ValueError(f"dense_matmul={implementation!r} is unknown; choose one of {DENSE_CHOICES}")
+    if implementation == "xla":
+        return "xla"
+    if implementation == "auto" and (jax.default_backend() != "gpu" or num_rows > DENSE_PALLAS_MAX_ROWS
+                                     or jnp.dtype(dtype) != jnp.bfloat16):
+        return "xla"
+    reason = pallas_unavailable_reason(dtype, contract_dim, out_dim)
+    if reason is None:
+        return "pallas"
+    if implementation == "pallas":
+        raise RuntimeError(f"dense_matmul=pallas was requested, but {reason}; use auto or xla")
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("dense_matmul=auto: xla, because %s", reason)
+    return "xla"
+
+
+def dense_matmul(x: jax.Array, kernel: jax.Array, *, implementation: str = "auto", precision=None) -> jax.Array:
+    """x [..., K] @ kernel [K, N] -> [..., N] in x's dtype. xla: jnp.dot (with `precision`). pallas: the grouped
+    matmul's tiles grid with one group and K split over programs (pallas_gmm.dense_matmul): XLA's M = 1
+    products read an H200's memory at ~0.6 TB/s in a Kimi-Linear-48B decode step (benchmarks/RESULTS.md)."""
+    rows = math.prod(x.shape[:-1])
+    if resolve_dense(implementation, x.dtype, x.shape[-1], kernel.shape[-1], rows) == "xla":
+        return jnp.dot(x, kernel, precision=precision)
+    from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
+    out = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernel.astype(x.dtype))  # [M, N]
+    return out.reshape(*x.shape[:-1], kernel.shape[-1])
+

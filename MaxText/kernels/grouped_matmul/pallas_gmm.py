@@ -4,17 +4,21 @@ block of its rows, and empty groups cost nothing.
     rows [M, K] (sorted by group), weights [E, K, N], group_sizes [E] (sum M), row_groups [M]  ->  out [M, N]
 
 Two grids, by M:
-  rows    (M <= rowwise_max_rows, decode) one program per (row, block of `block_n` columns): the row times its own
-          group's [K, block_n] columns as a vector-matrix product in float32 (no tile schedule, one kernel; a group
-          with several rows is read once per row).
+  rows    (M <= rowwise_max_rows, decode) one program per (row, block of `block_n` columns, K split): the row times
+          its own group's [K / split_k, block_n] columns as a vector-matrix product in float32 (no tile schedule, one
+          kernel; a group with several rows is read once per row).
   tiles   (above) a tile schedule (plain JAX, `tile_schedule`) cuts every group's rows into tiles of at most
-          `block_m` rows; a tile never spans two groups. The grid is (tile, block of `block_n` columns); a program
-          loads its group's [block_k, block_n] weight blocks and a block of `block_m` rows from its first one (the
-          input is padded so the block always lies inside), accumulates in float32 on the tensor cores and stores
-          only the rows of its group (masked: the programs of neighbouring tiles run concurrently). The number of
-          tiles depends on the data, so the grid has the static bound floor(M / block_m) + min(E, M) tiles (each
-          non-empty group adds at most one partial tile); tiles past the last do nothing. A prefill reads each
-          used expert once per `block_m` of its rows.
+          `block_m` rows; a tile never spans two groups. The grid is (tile, block of `block_n` columns, K split); a
+          program loads its group's [block_k, block_n] weight blocks and a block of `block_m` rows from its first one
+          (the input is padded so the block always lies inside), accumulates in float32 on the tensor cores and
+          stores only the rows of its group (masked: the programs of neighbouring tiles run concurrently). The number
+          of tiles depends on the data, so the grid has the static bound floor(M / block_m) + min(E, M) tiles (each
+          non-empty group adds at most one partial tile); tiles past the last do nothing. A prefill reads each used
+          expert once per `block_m` of its rows.
+With split_k > 1 every program covers 1 / split_k of K and writes a float32 partial product; XLA sums them.
+
+Default tiles (`default_tiles`) are the fastest of benchmarks/grouped_matmul.py --sweep on an H200 (JAX 0.11.2,
+benchmarks/RESULTS.md) at 8, 64 and 512 rows of Kimi-Linear-48B's experts.
 
 Runs under `interpret=True` on CPU (the tests do). Benchmark: benchmarks/grouped_matmul.py.
 """
@@ -45,6 +49,18 @@ def unsupported_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | Non
     return None
 
 
+def default_tiles(num_rows: int, dtype) -> dict[str, int]:
+    """block_m (`tiles` only), block_n and split_k by row count. Measured on an H200 at Kimi-Linear-48B's expert
+    shapes (bf16): 8 rows (batch-1 decode) 17.6-18 us with block_n 64 and two K splits (28 us with 32 / one split);
+    64 rows 75 us with block_n 128 (rows or tiles grid; the old tiles default of 64 took 81-83 us); 512 rows 257 us
+    with tiles of block_n 128 (268-279 us with 64). float32 keeps block_n 64: three pipeline stages of fp32
+    [64, 128] row and [128, 128] weight blocks would exceed an H200's 227 KiB of shared memory."""
+    block_n = 128 if jnp.dtype(dtype) == jnp.bfloat16 else 64
+    if num_rows <= 16:
+        return {"block_m": 16, "block_n": 64, "split_k": 2}
+    return {"block_m": 16 if num_rows <= 1024 else 64, "block_n": block_n, "split_k": 1}
+
+
 def _block(dim: int, requested: int) -> int:
     return next(b for b in BLOCK_CHOICES if b <= requested and dim % b == 0)
 
@@ -71,9 +87,10 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     return group, jnp.where(real, start, 0), jnp.where(real, group_end[group], 0)
 
 
-def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, block_m, block_k, block_n, precise,
-                interpret):
-    tile, col_block = pl.program_id(0), pl.program_id(1)
+def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, block_m, block_k, block_n, k_blocks,
+                precise, interpret):
+    # split: this program's K blocks are [split * k_blocks, (split + 1) * k_blocks)
+    tile, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end, group = start_ref[tile], end_ref[tile], group_ref[tile]
 
     @pl.when(start < end)
@@ -83,42 +100,46 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, bloc
         cols = pl.ds(col_block * block_n, block_n)
 
         def body(kb, acc):
-            ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+            ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
             x = rows_ref[row_block, ks]  # [BM, BK]; rows past the group are computed and not stored
             return acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
 
-        acc = lax.fori_loop(0, rows_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        pltriton.store(out_ref.at[row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
+        acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
+        pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype),
+                       mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n):
-    row, col_block = pl.program_id(0), pl.program_id(1)
+def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n, k_blocks):
+    row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
     def body(kb, acc):
-        ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
         x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
         return acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
 
-    acc = lax.fori_loop(0, rows_ref.shape[1] // block_k, body, jnp.zeros((block_n,), jnp.float32))
-    out_ref[row, cols] = acc.astype(out_ref.dtype)
+    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
+    out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, row_groups: jax.Array, *,
-                   block_m: int | None = None, block_n: int | None = None, block_k: int = 128, num_warps: int = 4,
-                   num_stages: int = 3, rowwise_max_rows: int = ROWWISE_MAX_ROWS,
+                   block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
+                   split_k: int | None = None,
+                   num_warps: int = 4, num_stages: int = 3, rowwise_max_rows: int = ROWWISE_MAX_ROWS,
                    interpret: bool = False) -> jax.Array:
     """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
     int32 (the same grouping) -> [M, N] in rows' dtype. The `rows` grid multiplies in float32; the `tiles` grid
     multiplies bf16 operands in one tensor-core pass (fp32 accumulation) and fp32 ones in 3-pass tf32 (about fp32).
-    block_m (tiles) defaults to 16 rows (the tensor cores' least) up to 1024 rows, 64 above; block_n to 32 columns
-    for the `rows` grid (more programs for few rows) and 64 for `tiles`.
+    block_m, block_n and split_k default to `default_tiles(M, rows.dtype)` (block_m: 16 rows, the tensor cores' least, up to 1024
+    rows, 64 above). split_k > 1 cuts K into that many equal parts, each its own program (more programs for few
+    rows), writing float32 partial products that are then summed.
 
     Differentiable: the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this kernel's forward and
     the previous default's gradients."""
-    options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
-               ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows), ("interpret", interpret))
+    options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
+               ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
+               ("interpret", interpret))
     return _grouped_matmul(rows, weights, group_sizes, row_groups, options)
 
 
@@ -140,7 +161,7 @@ def _grouped_matmul_bwd(options, residuals, out_cotangent):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, num_warps, num_stages,
+def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
             rowwise_max_rows, interpret):
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights.shape
@@ -150,28 +171,60 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     if weights.shape[1] != contract or group_sizes.shape != (num_groups,) or row_groups.shape != (num_rows,):
         raise ValueError(f"expected weights [E, {contract}, N], group_sizes [E] and row_groups [{num_rows}], got "
                          f"{weights.shape}, {group_sizes.shape} and {row_groups.shape}")
+    defaults = default_tiles(num_rows, rows.dtype)
+    block_m = block_m or defaults["block_m"]
+    block_n = _block(out_dim, block_n or defaults["block_n"])
+    block_k = _block(contract, block_k)
+    if split_k is None:  # the default where it divides K's blocks, else one split
+        split_k = defaults["split_k"] if (contract // block_k) % defaults["split_k"] == 0 else 1
+    if split_k < 1 or (contract // block_k) % split_k:
+        raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
+                         f"{contract} makes")
     weights = weights.astype(rows.dtype)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    block_k = _block(contract, block_k)
+    # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N].
+    partial_dtype = rows.dtype if split_k == 1 else jnp.float32
+    k_blocks = contract // block_k // split_k
     if num_rows <= rowwise_max_rows:
-        block_n = _block(out_dim, block_n or 32)
-        kernel = functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n)
-        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((num_rows, out_dim), rows.dtype),
-                              grid=(num_rows, out_dim // block_n), compiler_params=params, interpret=interpret,
-                              name="grouped_matmul_rows")(row_groups.astype(jnp.int32), rows, weights)
-    block_m = block_m or (16 if num_rows <= 1024 else 64)
-    block_n = _block(out_dim, block_n or 64)
-    group, start, end = tile_schedule(group_sizes, num_rows, block_m)
-    # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
-    padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
-    kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
-                               precise=rows.dtype == jnp.float32, interpret=interpret)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows + block_m, out_dim), rows.dtype),
-        grid=(group.shape[0], out_dim // block_n),
-        compiler_params=params,
-        interpret=interpret,
-        name="grouped_matmul_tiles",
-    )(group, start, end, padded, weights)
-    return out[:num_rows]
+        kernel = functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks)
+        out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),
+                             grid=(num_rows, out_dim // block_n, split_k), compiler_params=params,
+                             interpret=interpret, name="grouped_matmul_rows")(row_groups.astype(jnp.int32), rows,
+                                                                               weights)
+    else:
+        group, start, end = tile_schedule(group_sizes, num_rows, block_m)
+        # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
+        padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
+        kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
+                                   k_blocks=k_blocks, precise=rows.dtype == jnp.float32, interpret=interpret)
+        out = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), partial_dtype),
+            grid=(group.shape[0], out_dim // block_n, split_k),
+            compiler_params=params,
+            interpret=interpret,
+            name="grouped_matmul_tiles",
+        )(group, start, end, padded, weights)[:, :num_rows]
+    return out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype)
+
+
+def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_programs: int = 256) -> int:
+    """The fewest K splits (a divisor of K's blocks) that give a single-tile product at least `min_programs`
+    programs (about two per H200 SM), or all of K's blocks."""
+    k_blocks = contract // block_k
+    col_blocks = out_dim // block_n
+    return next(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and (col_blocks * d >= min_programs
+                                                                             or d == k_blocks))
+
+
+def dense_matmul(rows: jax.Array, kernel: jax.Array, *, block_k: int = 64, block_n: int = 64,
+                 interpret: bool = False) -> jax.Array:
+    """rows [M, K] x kernel [K, N] -> [M, N] in rows' dtype, for few rows (M <= 16: one tile, each weight read
+    once): the `tiles` grid with one group, K split (dense_split_k) so that a decode step's projection keeps the
+    whole GPU reading."""
+    num_rows, contract = rows.shape
+    block_k, block_n = _block(contract, block_k), _block(kernel.shape[1], block_n)
+    split_k = dense_split_k(contract, kernel.shape[1], block_k, block_n)
+    return grouped_matmul(rows, kernel[None], jnp.full((1,), num_rows, jnp.int32), jnp.zeros((num_rows,), jnp.int32),
+                          block_m=16, block_n=block_n, block_k=block_k, split_k=split_k, rowwise_max_rows=0,
+                          interpret=interpret)
