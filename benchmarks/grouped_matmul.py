@@ -11,10 +11,11 @@ kernel (and, up to 64 rows, where it runs its vector-matrix `rows` grid, its `ti
 512 rows: it reads every expert) and gather (up to 512 rows: it materializes one [K, N] matrix per row) on the
 gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports the weight bytes of the experts in
 use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
-Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot against
-the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and
-token count and prints the fastest. --profile lists each timed program's top device kernels (jax.profiler; XLA runs small programs as CUDA graphs,
-which a trace shows as one op: set XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
+Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
+against the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
+Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count and prints the
+fastest. --profile lists each timed program's top device kernels (jax.profiler; XLA runs small programs as CUDA
+graphs, which a trace shows as one op: set XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
 Writes grouped_matmul.json.
 """
 
@@ -46,8 +47,9 @@ DENSE_SHAPES = (("kda q/k/v_proj", EMB, 4096), ("kda o_proj", 4096, EMB), ("shar
                 ("shared down", WIDTH, EMB), ("lm_head", EMB, 163840))
 XLA_MAX_ROWS = 512  # ragged_dot and gather are timed up to this many rows
 ORACLE_CHUNK = 256  # rows per gather of the oracle
-# --sweep: the `rows` grid (rowwise_max_rows=64; timed up to 64 rows) and the `tiles` grid (0) over tile options.
-SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128) for bk in (128, 256)
+# --sweep: the `rows` grid (rowwise_max_rows=64; timed up to 64 rows) and the `tiles` grid (0) over tile options
+# (block_k is at most 128: pallas_gmm.BLOCK_CHOICES).
+SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128) for bk in (64, 128)
          for sk in (1, 2, 4)] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
                                  for bk in (64, 128) for sk in (1, 2, 4)] + [
     dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)]

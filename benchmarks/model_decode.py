@@ -23,6 +23,7 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
   decode   per batch B (--batches) and MoE dispatch (--decode-moe): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
+           The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
            as in a device-side loop); `synced` = median of --synced-steps steps each waited for (adds dispatch).
            The step also counts the distinct experts each MoE layer's router chose (captured Router outputs), and
@@ -351,6 +352,13 @@ def moe_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.shardi
         return grouped_matmul.resolve(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim)
 
 
+def dense_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, batch: int) -> str:
+    """What `config.dense_matmul` resolves to on `mesh` for a decode step of `batch` rows (q_proj's shape)."""
+    with sharding.mesh_context(mesh, config):
+        return grouped_matmul.resolve_dense(config.dense_matmul, config.dtype, config.emb_dim,
+                                            config.kda_num_heads * config.kda_head_dim, batch)
+
+
 def moe_label(row: dict) -> str:
     """'auto (pallas)' when the requested dispatch resolved to another implementation, else the implementation."""
     return row["moe"] if row["moe"] == row["moe_impl"] else f"{row['moe']} ({row['moe_impl']})"
@@ -545,8 +553,9 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
     per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
     row = {"batch": batch, "moe": moe, "moe_impl": moe_implementation(config, setup.mesh),
-           "context": args.prompt_len, "cache": "prefill" if prefilled is not None else
-           "synthetic", "compile_s": compile_s, "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
+           "dense_impl": dense_implementation(config, setup.mesh, batch), "context": args.prompt_len,
+           "cache": "prefill" if prefilled is not None else "synthetic", "compile_s": compile_s,
+           "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
            "block_ms": [b * 1e3 for b in blocks], "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
            "distinct_experts_per_layer": per_layer.tolist(),
            "distinct_experts_mean": float(per_layer.mean()) if per_layer.size else 0.0,
@@ -643,12 +652,13 @@ def report(results: dict) -> str:
     if results.get("decode"):
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
                      f"back-to-back steps)\n")
-        lines.append("| batch | moe | TPOT ms | tokens/s | roofline ms | TPOT / roofline | synced step ms | "
+        lines.append("| batch | moe | dense | TPOT ms | tokens/s | roofline ms | TPOT / roofline | synced step ms | "
                      "distinct experts / layer (uniform) | GB / step | compile s |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["decode"]:
             roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
-            lines.append(f"| {r['batch']} | {moe_label(r)} | {r['tpot_ms']:.3f} | {r['tokens_per_s']:.1f} | {roof} | "
+            lines.append(f"| {r['batch']} | {moe_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
+                         f"{r['tokens_per_s']:.1f} | {roof} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
                          f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
                          f"{r['compile_s']:.1f} |")

@@ -18,8 +18,8 @@ Implementations:
               log line and ragged_dot); ragged_dot on TPU and sharded GPUs; gather on CPU.
 
 Measured on an H200 (JAX 0.11.2, Kimi-Linear-48B's experts, benchmarks/grouped_matmul.py, benchmarks/RESULTS.md):
-per expert product at 8 / 64 / 512 rows pallas 26-28 / 80-83 / 268-279 us, gather 85-122 / 643-938 / 5100-7340
-us, ragged_dot 283-290 / 318-342 / 848-1119 us (before the tuned defaults of pallas_gmm.default_tiles).
+per expert product at 8 / 64 / 512 rows pallas 22-27 / 76-91 / 267-269 us, gather 85-118 / 646-937 / 5081-7309
+us, ragged_dot 287-291 / 322-350 / 843-1075 us.
 """
 
 from __future__ import annotations

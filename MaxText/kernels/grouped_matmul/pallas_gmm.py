@@ -131,9 +131,9 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
     """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
     int32 (the same grouping) -> [M, N] in rows' dtype. The `rows` grid multiplies in float32; the `tiles` grid
     multiplies bf16 operands in one tensor-core pass (fp32 accumulation) and fp32 ones in 3-pass tf32 (about fp32).
-    block_m, block_n and split_k default to `default_tiles(M, rows.dtype)` (block_m: 16 rows, the tensor cores' least, up to 1024
-    rows, 64 above). split_k > 1 cuts K into that many equal parts, each its own program (more programs for few
-    rows), writing float32 partial products that are then summed.
+    block_m, block_n and split_k default to `default_tiles(M, rows.dtype)` (block_m: 16 rows, the tensor cores'
+    least, up to 1024 rows, 64 above). split_k > 1 cuts K into that many equal parts, each its own program (more
+    programs for few rows), writing float32 partial products that are then summed.
 
     Differentiable: the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this kernel's forward and
     the previous default's gradients."""
