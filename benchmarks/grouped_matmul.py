@@ -13,9 +13,10 @@ gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports 
 use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
 Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
 against the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
-Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count and prints the
-fastest. --profile lists each timed program's top device kernels (jax.profiler; XLA runs small programs as CUDA
-graphs, which a trace shows as one op: set XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
+Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count, and the dense
+kernel's (block_k, block_n, least programs), and prints the fastest. --profile lists each timed program's top
+device kernels (jax.profiler; XLA runs small programs as CUDA graphs, which a trace shows as one op: set
+XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
 Writes grouped_matmul.json.
 """
 
@@ -53,6 +54,9 @@ SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in
          for sk in (1, 2, 4)] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
                                  for bk in (64, 128) for sk in (1, 2, 4)] + [
     dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)]
+# --sweep, dense projections: pallas_gmm.dense_matmul's tile options.
+DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128) for bn in (32, 64, 128)
+               for mp in (128, 256, 512)]
 
 
 def routed_rows(rng, tokens: int, contract: int, layers: int):
@@ -105,7 +109,13 @@ def oracle(rows, weights, row_groups):
 
 def bench_dense(args, rng) -> list[dict]:
     """The dense projections at --dense-rows rows: XLA's jnp.dot against the Pallas kernel with one group
-    (pallas_gmm.dense_matmul), --layers independent weights per timed program; weight bytes / time."""
+    (pallas_gmm.dense_matmul; with --sweep, its DENSE_SWEEP options), --layers independent weights per timed
+    program; weight bytes / time."""
+    impls = {"xla": lambda x, w: jnp.dot(x, w)}
+    if args.sweep:
+        impls.update({json.dumps(opts): functools.partial(pallas_gmm.dense_matmul, **opts) for opts in DENSE_SWEEP})
+    else:
+        impls["pallas"] = pallas_gmm.dense_matmul
     rows_out = []
     for index, (name, contract, out_dim) in enumerate(DENSE_SHAPES):
         keys = jax.random.split(jax.random.key(100 + index), args.layers)
@@ -116,21 +126,23 @@ def bench_dense(args, rng) -> list[dict]:
             want = jnp.dot(xs[0].astype(jnp.float32), kernels[0].astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
             row = {"shape": name, "K": contract, "N": out_dim, "rows": num_rows, "ok": True}
-            for impl, fn in (("xla", lambda x, w: jnp.dot(x, w)), ("pallas", pallas_gmm.dense_matmul)):
+            for impl, fn in impls.items():
                 program = jax.jit(lambda xs_, ws_, fn=fn: [fn(x, w) for x, w in zip(xs_, ws_)])
                 err = rel_l2(program(xs, kernels)[0], want)
                 seconds = time_jax(program, xs, kernels) / args.layers
                 row["ok"] &= err <= 1e-2
                 row[impl] = {"us": seconds * 1e6, "rel_l2": err, "weight_TBps": contract * out_dim * 2 / seconds / 1e12}
             rows_out.append(row)
+            timed = sorted(impls, key=lambda impl: row[impl]["us"])[:5] if args.sweep else list(impls)
             print(f"  dense {name} [{num_rows}, {contract}] x [{contract}, {out_dim}]: " + ", ".join(
                 f"{impl} {row[impl]['us']:.1f} us ({row[impl]['weight_TBps']:.2f} TB/s, err {row[impl]['rel_l2']:.1e})"
-                for impl in ("xla", "pallas")), flush=True)
-    print("\n| dense projection | rows | xla us | pallas us | xla weight TB/s | pallas weight TB/s |")
-    print("|---|---|---|---|---|---|")
-    for r in rows_out:
-        print(f"| {r['shape']} ({r['K']} -> {r['N']}) | {r['rows']} | {r['xla']['us']:.1f} | {r['pallas']['us']:.1f} | "
-              f"{r['xla']['weight_TBps']:.2f} | {r['pallas']['weight_TBps']:.2f} |")
+                for impl in timed), flush=True)
+    if not args.sweep:
+        print("\n| dense projection | rows | xla us | pallas us | xla weight TB/s | pallas weight TB/s |")
+        print("|---|---|---|---|---|---|")
+        for r in rows_out:
+            print(f"| {r['shape']} ({r['K']} -> {r['N']}) | {r['rows']} | {r['xla']['us']:.1f} | "
+                  f"{r['pallas']['us']:.1f} | {r['xla']['weight_TBps']:.2f} | {r['pallas']['weight_TBps']:.2f} |")
     return rows_out
 
 
@@ -189,7 +201,7 @@ def main() -> int:
             print(f"  {name} tokens={tokens} rows={row['rows']} experts={used:.1f}: " + ", ".join(
                 f"{impl} {timed[impl]['us']:.1f} us ({timed[impl]['expert_weight_TBps']:.2f} TB/s, "
                 f"err {timed[impl]['rel_l2']:.1e})" for impl in shown), flush=True)
-    dense = [] if args.sweep else bench_dense(args, rng)
+    dense = bench_dense(args, rng)
     ok &= all(r["ok"] for r in dense)
     if not args.sweep:
         print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "
