@@ -105,8 +105,7 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, bloc
             return acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
 
         acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
-        pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype),
-                       mask=owned[:, None])
+        pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
 def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n, k_blocks):
@@ -125,9 +124,8 @@ def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n, k
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-                   split_k: int | None = None,
-                   num_warps: int = 4, num_stages: int = 3, rowwise_max_rows: int = ROWWISE_MAX_ROWS,
-                   interpret: bool = False) -> jax.Array:
+                   split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, interpret: bool = False) -> jax.Array:
     """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
     int32 (the same grouping) -> [M, N] in rows' dtype. The `rows` grid multiplies in float32; the `tiles` grid
     multiplies bf16 operands in one tensor-core pass (fp32 accumulation) and fp32 ones in 3-pass tf32 (about fp32).
