@@ -3,7 +3,8 @@ inputs, at Kimi-Linear-48B's expert shapes (256 experts, top-8, emb 2304, expert
 
     python benchmarks/grouped_matmul.py [--out DIR] [--tokens 1 8 64 512 4096] [--sweep]
 
-For each token count, tokens route to top-8 distinct experts uniformly at random; rows are sorted by expert. Each
+For each token count, tokens route to top-8 distinct experts uniformly at random (within --expert-pool experts per
+layer, default all 256); rows are sorted by expert. Each
 timed call runs the product for --layers independent layers (own weights, own routing) inside one jitted program, as
 a decode step does: no weight is read twice, so the experts in use do not stay in the 50 MB L2 cache between calls,
 and dispatch costs nothing per product. Reported time = median (kda_kernels.time_jax) / layers. Times the Pallas
@@ -59,12 +60,14 @@ DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128)
                for mp in (128, 256, 512)]
 
 
-def routed_rows(rng, tokens: int, contract: int, layers: int):
-    """Per layer, sorted rows of `tokens` tokens x top-8 distinct uniform experts: lists of rows [M, K] bf16,
-    group_sizes [E], row groups [M]; and the distinct experts in use per layer (mean)."""
+def routed_rows(rng, tokens: int, contract: int, layers: int, pool: int = EXPERTS):
+    """Per layer, sorted rows of `tokens` tokens x top-8 distinct experts drawn uniformly from a random `pool` of
+    the experts (all of them: uniform routing; fewer: the concentrated routing a trained router shows): lists of
+    rows [M, K] bf16, group_sizes [E], row groups [M]; and the distinct experts in use per layer (mean)."""
     rows, sizes, groups, used = [], [], [], []
     for _ in range(layers):
-        experts = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)]).reshape(-1)
+        candidates = rng.choice(EXPERTS, pool, replace=False)
+        experts = np.stack([rng.choice(candidates, TOP_K, replace=False) for _ in range(tokens)]).reshape(-1)
         row_groups = np.sort(experts).astype(np.int32)
         rows.append(jnp.asarray(rng.normal(size=(row_groups.size, contract)), jnp.bfloat16))
         counts = np.bincount(row_groups, minlength=EXPERTS).astype(np.int32)
@@ -154,8 +157,13 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time the Pallas kernel's tile options instead")
     parser.add_argument("--dense-rows", type=int, nargs="*", default=[1, 8],
                         help="rows of the dense-projection comparison (none: skip it)")
+    parser.add_argument("--expert-pool", type=int, default=EXPERTS,
+                        help="route each layer's tokens within this many random experts (default all: uniform; "
+                             "e.g. 48 gives batch 8 the ~37 distinct experts the 48B model's routers chose)")
     parser.add_argument("--profile", action="store_true", help="also list each program's top device kernels")
     args = parser.parse_args()
+    if not TOP_K <= args.expert_pool <= EXPERTS:
+        parser.error(f"--expert-pool must be in [{TOP_K}, {EXPERTS}], got {args.expert_pool}")
     rng = np.random.default_rng(0)
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv)}
@@ -167,7 +175,7 @@ def main() -> int:
                    for k in keys]  # made on the device: [E, K, N] bf16 per layer
         weights_f32 = weights[0].astype(jnp.float32)
         for tokens in args.tokens:
-            rows, sizes, groups, used = routed_rows(rng, tokens, contract, args.layers)
+            rows, sizes, groups, used = routed_rows(rng, tokens, contract, args.layers, args.expert_pool)
             want = jax.jit(oracle)(rows[0], weights_f32, groups[0])
             if args.sweep:
                 impls = {json.dumps(opts): functools.partial(pallas_gmm.grouped_matmul, **opts) for opts in SWEEP
