@@ -104,8 +104,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert results["params"]["count"] > 0 and results["copy_bandwidth"]["used_Bps"] > 0
     assert results["prefill"]["prompt_len"] == 64 and results["prefill"]["chunk"] == 32
     assert results["prefill"]["tokens_per_s"] > 0
-    assert [(r["batch"], r["moe"], r["moe_impl"]) for r in results["decode"]] == [(1, "auto", "gather"),
-                                                                                   (2, "auto", "gather")]
+    assert [(r["batch"], r["moe"], r["moe_impl"], r["dense_impl"]) for r in results["decode"]] == [
+        (1, "auto", "gather", "xla"), (2, "auto", "gather", "xla")]
     for row in results["decode"]:
         assert row["tpot_ms"] > 0 and row["roofline_ms"] > 0 and row["cache"] == "prefill"
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3)
@@ -116,4 +116,4 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert "error" not in profile and profile["top_ops"], profile
         components = {c["component"] for c in profile["components"]}
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
-    assert "| batch | moe | TPOT ms |" in proc.stdout and "### Profile, batch 2, moe auto (gather)" in proc.stdout
+    assert "| batch | moe | dense | TPOT ms |" in proc.stdout and "### Profile, batch 2, moe auto (gather)" in proc.stdout
