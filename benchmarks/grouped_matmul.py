@@ -12,7 +12,8 @@ kernel (and, up to 64 rows, where it runs its vector-matrix `rows` grid, its `ti
 512 rows: it reads every expert) and gather (up to 512 rows: it materializes one [K, N] matrix per row) on the
 gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports the weight bytes of the experts in
 use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
-Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
+Then the MoE's gate and up products as two calls vs one fused call (a tuple of weights: each row block read once for
+both). Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
 against the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
 Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count, and the dense
 kernel's (block_k, block_n, least programs), and prints the fastest. --profile lists each timed program's top
@@ -51,9 +52,10 @@ XLA_MAX_ROWS = 512  # ragged_dot and gather are timed up to this many rows
 ORACLE_CHUNK = 256  # rows per gather of the oracle
 # --sweep: the `rows` grid (rowwise_max_rows=64; timed up to 64 rows) and the `tiles` grid (0) over tile options
 # (block_k is at most 128: pallas_gmm.BLOCK_CHOICES).
+SPLITS = (1, 2, 3, 4, 6)  # K splits; those that do not divide a shape's K blocks are skipped
 SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128) for bk in (64, 128)
-         for sk in (1, 2, 4)] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
-                                 for bk in (64, 128) for sk in (1, 2, 4)] + [
+         for sk in SPLITS] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
+                              for bk in (64, 128) for sk in SPLITS] + [
     dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)]
 # --sweep, dense projections: pallas_gmm.dense_matmul's tile options.
 DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128) for bn in (32, 64, 128)
@@ -149,6 +151,40 @@ def bench_dense(args, rng) -> list[dict]:
     return rows_out
 
 
+def bench_gate_up_fusion(args, rng) -> list[dict]:
+    """An MoE's gate and up products (K 2304 -> N 1024 each) as two Pallas calls against one call with both weight
+    arrays (one kernel reads each row block once for both), per token count; each product checked against the fp32
+    oracle; TB/s = weight bytes of both arrays' experts in use / time."""
+    keys = jax.random.split(jax.random.key(7), 2 * args.layers)
+    gate_up = [tuple((jax.random.normal(k, (EXPERTS, EMB, WIDTH)) / np.sqrt(EMB)).astype(jnp.bfloat16)
+                     for k in pair) for pair in zip(keys[::2], keys[1::2])]  # per layer (gate, up) [E, K, N]
+    oracle_weights = [w.astype(jnp.float32) for w in gate_up[0]]
+    impls = {"two calls": lambda r, w, s, g: tuple(pallas_gmm.grouped_matmul(r, x, s, g) for x in w),
+             "fused": pallas_gmm.grouped_matmul}
+    out = []
+    for tokens in args.tokens:
+        rows, sizes, groups, used = routed_rows(rng, tokens, EMB, args.layers, args.expert_pool)
+        wants = [jax.jit(oracle)(rows[0], w, groups[0]) for w in oracle_weights]
+        row = {"tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used, "ok": True}
+        for impl, fn in impls.items():
+            program = per_layer(fn)
+            errors = [rel_l2(got, want) for got, want in zip(program(rows, gate_up, sizes, groups)[0], wants)]
+            seconds = time_jax(program, rows, gate_up, sizes, groups) / args.layers
+            row["ok"] &= max(errors) <= 1e-2
+            row[impl] = {"us": seconds * 1e6, "rel_l2": max(errors),
+                         "expert_weight_TBps": 2 * used * EMB * WIDTH * 2 / seconds / 1e12}
+        out.append(row)
+        print(f"  gate+up tokens={tokens} rows={row['rows']}: " + ", ".join(
+            f"{impl} {row[impl]['us']:.1f} us ({row[impl]['expert_weight_TBps']:.2f} TB/s, err "
+            f"{row[impl]['rel_l2']:.1e})" for impl in impls), flush=True)
+    print("\n| gate + up | tokens | rows | two calls us | fused us | fused / two calls |")
+    print("|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| | {r['tokens']} | {r['rows']} | {r['two calls']['us']:.1f} | {r['fused']['us']:.1f} | "
+              f"{r['fused']['us'] / r['two calls']['us']:.2f} |")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -211,6 +247,8 @@ def main() -> int:
                 f"err {timed[impl]['rel_l2']:.1e})" for impl in shown), flush=True)
     dense = bench_dense(args, rng)
     ok &= all(r["ok"] for r in dense)
+    fusion = [] if args.sweep else bench_gate_up_fusion(args, rng)
+    ok &= all(r["ok"] for r in fusion)
     if not args.sweep:
         print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "
               "pallas expert-weight TB/s |")
@@ -223,7 +261,7 @@ def main() -> int:
     print("correctness: all within 1e-2 relative L2" if ok else "CORRECTNESS FAILURE", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "grouped_matmul.json"), "w") as f:
-        json.dump({"env": env, "results": results, "dense": dense, "ok": ok}, f, indent=1)
+        json.dump({"env": env, "results": results, "dense": dense, "gate_up_fusion": fusion, "ok": ok}, f, indent=1)
     return 0 if ok else 1
 
 

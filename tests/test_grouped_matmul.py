@@ -113,6 +113,40 @@ def test_pallas_gradients_equal_the_gather_paths():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rowwise_max_rows", [0, 1000])  # the `tiles` grid, the `rows` grid
+def test_pallas_several_weights_in_one_kernel_match_separate_products(rowwise_max_rows):
+    """A tuple of weights (an MoE's gate and up) gives one product per array, each equal to the gather oracle."""
+    rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 64, 48,
+                                             jnp.float32, seed=6)
+    up = gate[:, ::-1, :] * 0.5 + 0.1  # [E, K, N], another matrix per group
+    got = pallas_gmm.grouped_matmul(rows, (gate, up), sizes, row_groups, block_k=32, split_k=2,
+                                    rowwise_max_rows=rowwise_max_rows, interpret=True)
+    assert isinstance(got, tuple) and len(got) == 2
+    for out, w in zip(got, (gate, up)):
+        want = gather_matmul(rows, w, row_groups, precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="all of one shape"):
+        pallas_gmm.grouped_matmul(rows, (gate, up[:, :, :16]), sizes, row_groups, interpret=True)
+
+
+def test_pallas_gradients_of_several_weights_equal_the_gather_paths():
+    rows, gate, sizes, row_groups = _problem([3, 0, 5, 2], 32, 16, jnp.float32, seed=7)
+    up = gate * -0.5
+    cotangents = [jnp.asarray(np.random.default_rng(s).normal(size=(rows.shape[0], 16)), jnp.float32) for s in (8, 9)]
+    highest = jax.lax.Precision.HIGHEST
+
+    def loss(products):
+        return lambda r, g, u: sum(jnp.sum(p * c) for p, c in zip(products(r, g, u), cotangents))
+
+    want = jax.grad(loss(lambda r, g, u: [gather_matmul(r, w, row_groups, precision=highest) for w in (g, u)]),
+                    argnums=(0, 1, 2))(rows, gate, up)
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(loss(lambda r, g, u: pallas_gmm.grouped_matmul(r, (g, u), sizes, row_groups, interpret=True)),
+                       argnums=(0, 1, 2))(rows, gate, up)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("contract,out_dim,want", [(2304, 4096, 4), (4096, 2304, 8), (2304, 1024, 18),
                                                     (1024, 2304, 8), (256, 128, 4)])
 def test_dense_split_k_reaches_enough_programs_or_splits_every_block(contract, out_dim, want):

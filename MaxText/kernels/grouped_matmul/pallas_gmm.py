@@ -87,8 +87,9 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     return group, jnp.where(real, start, 0), jnp.where(real, group_end[group], 0)
 
 
-def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, block_m, block_k, block_n, k_blocks,
-                precise, interpret):
+def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, precise,
+                interpret):
+    w_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]  # one output per weight array
     # split: this program's K blocks are [split * k_blocks, (split + 1) * k_blocks)
     tile, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end, group = start_ref[tile], end_ref[tile], group_ref[tile]
@@ -99,36 +100,43 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, w_ref, out_ref, *, bloc
         row_block = pl.ds(start, block_m)
         cols = pl.ds(col_block * block_n, block_n)
 
-        def body(kb, acc):
+        def body(kb, accs):
             ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
             x = rows_ref[row_block, ks]  # [BM, BK]; rows past the group are computed and not stored
-            return acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
+            return tuple(acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
+                         for acc, w_ref in zip(accs, w_refs))
 
-        acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
-        pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
+        accs = lax.fori_loop(0, k_blocks, body, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs))
+        for acc, out_ref in zip(accs, out_refs):
+            pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n, k_blocks):
+def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks):
+    w_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]  # one output per weight array
     row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
-    def body(kb, acc):
+    def body(kb, accs):
         ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
         x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
-        return acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
+        return tuple(acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
+                     for acc, w_ref in zip(accs, w_refs))
 
-    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
-    out_ref[split, row, cols] = acc.astype(out_ref.dtype)
+    accs = lax.fori_loop(0, k_blocks, body, tuple(jnp.zeros((block_n,), jnp.float32) for _ in w_refs))
+    for acc, out_ref in zip(accs, out_refs):
+        out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
 
-def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, row_groups: jax.Array, *,
+def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, interpret: bool = False) -> jax.Array:
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, interpret: bool = False):
     """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
-    int32 (the same grouping) -> [M, N] in rows' dtype. The `rows` grid multiplies in float32; the `tiles` grid
-    multiplies bf16 operands in one tensor-core pass (fp32 accumulation) and fp32 ones in 3-pass tf32 (about fp32).
+    int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple of such arrays (e.g. an MoE's
+    gate and up projections): one kernel then reads each row block once for all of them and returns a tuple of
+    products. The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core
+    pass (fp32 accumulation) and fp32 ones in 3-pass tf32 (about fp32).
     block_m, block_n and split_k default to `default_tiles(M, rows.dtype)` (block_m: 16 rows, the tensor cores'
     least, up to 1024 rows, 64 above). split_k > 1 cuts K into that many equal parts, each its own program (more
     programs for few rows), writing float32 partial products that are then summed.
@@ -138,7 +146,9 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("interpret", interpret))
-    return _grouped_matmul(rows, weights, group_sizes, row_groups, options)
+    several = isinstance(weights, (tuple, list))
+    outs = _grouped_matmul(rows, tuple(weights) if several else (weights,), group_sizes, row_groups, options)
+    return outs if several else outs[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -150,10 +160,10 @@ def _grouped_matmul_fwd(rows, weights, group_sizes, row_groups, options):
     return _launch(rows, weights, group_sizes, row_groups, **dict(options)), (rows, weights, group_sizes)
 
 
-def _grouped_matmul_bwd(options, residuals, out_cotangent):
+def _grouped_matmul_bwd(options, residuals, out_cotangents):
     rows, weights, group_sizes = residuals
-    _, vjp = jax.vjp(lambda r, w: lax.ragged_dot(r, w, group_sizes), rows, weights)
-    return (*vjp(out_cotangent), None, None)
+    _, vjp = jax.vjp(lambda r, ws: tuple(lax.ragged_dot(r, w, group_sizes) for w in ws), rows, weights)
+    return (*vjp(out_cotangents), None, None)
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -161,14 +171,17 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
             rowwise_max_rows, interpret):
+    """weights: a tuple of [E, K, N] arrays -> a tuple of [M, N] products."""
     num_rows, contract = rows.shape
-    num_groups, _, out_dim = weights.shape
+    num_groups, _, out_dim = weights[0].shape
     reason = unsupported_reason(rows.dtype, contract, out_dim)
     if reason:
         raise ValueError(reason)
-    if weights.shape[1] != contract or group_sizes.shape != (num_groups,) or row_groups.shape != (num_rows,):
-        raise ValueError(f"expected weights [E, {contract}, N], group_sizes [E] and row_groups [{num_rows}], got "
-                         f"{weights.shape}, {group_sizes.shape} and {row_groups.shape}")
+    if (any(w.shape != (num_groups, contract, out_dim) for w in weights) or group_sizes.shape != (num_groups,)
+            or row_groups.shape != (num_rows,)):
+        raise ValueError(f"expected weights [E, {contract}, N] (all of one shape), group_sizes [E] and row_groups "
+                         f"[{num_rows}], got {[w.shape for w in weights]}, {group_sizes.shape} and "
+                         f"{row_groups.shape}")
     defaults = default_tiles(num_rows, rows.dtype)
     block_m = block_m or defaults["block_m"]
     block_n = _block(out_dim, block_n or defaults["block_n"])
@@ -178,32 +191,35 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     if split_k < 1 or (contract // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
                          f"{contract} makes")
-    weights = weights.astype(rows.dtype)
+    weights = tuple(w.astype(rows.dtype) for w in weights)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N].
+    # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
     partial_dtype = rows.dtype if split_k == 1 else jnp.float32
     k_blocks = contract // block_k // split_k
     if num_rows <= rowwise_max_rows:
         kernel = functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks)
-        out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),
-                             grid=(num_rows, out_dim // block_n, split_k), compiler_params=params,
-                             interpret=interpret, name="grouped_matmul_rows")(row_groups.astype(jnp.int32), rows,
-                                                                               weights)
+        out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype)
+        outs = pl.pallas_call(kernel, out_shape=(out_shape,) * len(weights),
+                              grid=(num_rows, out_dim // block_n, split_k), compiler_params=params,
+                              interpret=interpret, name="grouped_matmul_rows")(row_groups.astype(jnp.int32), rows,
+                                                                                *weights)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
         padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
                                    k_blocks=k_blocks, precise=rows.dtype == jnp.float32, interpret=interpret)
-        out = pl.pallas_call(
+        out_shape = jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), partial_dtype)
+        outs = pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), partial_dtype),
+            out_shape=(out_shape,) * len(weights),
             grid=(group.shape[0], out_dim // block_n, split_k),
             compiler_params=params,
             interpret=interpret,
             name="grouped_matmul_tiles",
-        )(group, start, end, padded, weights)[:, :num_rows]
-    return out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype)
+        )(group, start, end, padded, *weights)
+        outs = tuple(out[:, :num_rows] for out in outs)
+    return tuple(out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype) for out in outs)
 
 
 def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_programs: int = 256) -> int:
