@@ -46,6 +46,20 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
     assert_close(s, s_ref)
 
 
+def test_split_inter_kernels_give_the_intermediates_of_the_fused_one():
+    """pallas_chunk.inter(split=True) (scores per row sub-chunk, then the inverse; timed by kda_kernels.py --tune)
+    computes what the default one-program-per-chunk `inter` does, which the chunk_kda tests check against naive."""
+    from MaxText.kernels.kda import pallas_chunk
+    x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32)
+    flat = {name: jnp.asarray(x[name][0]) for name in ("q", "k", "v", "g", "beta")}  # [T = 2 chunks, H, ...]
+    kw = dict(scale=32 ** -0.5, l2norm=True, gate=False, interpret=True)
+    fused = pallas_chunk.intra(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], None, None, **kw)
+    split = pallas_chunk.intra(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], None, None,
+                               split_inter=True, **kw)
+    for a, b in zip(split, fused):  # qg, kg, w, u, A_qk, G_last
+        assert_close(a, b)
+
+
 @pytest.mark.parametrize("head_k,head_v", [(64, 128), (128, 64)])
 def test_chunk_kda_interpret_unequal_head_dims(head_k, head_v):
     """K != V, both above one 64-column block of the `wu` kernel: its key-column and value-column programs differ.

@@ -13,7 +13,8 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
 3. `inter` -- per (chunk, head), on 16-row blocks: pairs across sub-chunks I > J as one tensor-core product each,
    factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
    writes A_qk (scaled q) and T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: forward substitution on the
-   diagonal blocks (reading their rows from memory), then the off-diagonal blocks.
+   diagonal blocks (reading their rows from memory), then the off-diagonal blocks. (`inter(split=True)`: the same
+   as two kernels, scores per (chunk, head, row sub-chunk) and the inverse per (chunk, head); not yet timed.)
 4. `wu` -- per (chunk, head, block of 64 key / value columns): w = T (beta k e^G), u = T (beta v) ([64, 64] x
    [64, 64] products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
 5. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
@@ -122,21 +123,46 @@ def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, interpret=False)
     )(qn, kn, G)
 
 
+def _pair_blocks(q_loc, k_loc, between, kr, dot, scale):
+    """The [16, 16] blocks of A_qk (scaled) and A_kk for sub-chunks i > j, every exponent <= 0:
+    (q_i e^{G_i - end_{i-1}} e^{end_{i-1} - end_j}) . (k_j e^{end_j - G_j}); q_loc, k_loc = q_i, k_i e^{G_i -
+    end_{i-1}} [16, K]; between = e^{end_{i-1} - end_j} [1, K]; kr = k_j e^{end_j - G_j} [16, K]."""
+    return dot(q_loc * between, kr, trans_b=True) * scale, dot(k_loc * between, kr, trans_b=True)
+
+
+def _wy_inverse(a_blk, diag_row, dot):
+    """T = (I + diag(beta) A_kk)^-1 of one chunk, as [16, 16] blocks inv[i, j] (j <= i). a_blk[i, j] = beta_i A_ij
+    for j < i; diag_row(i, r) = row r of beta_i A_ii ([16], strictly lower, read from memory). Diagonal blocks by
+    forward substitution (row r of T_ii = e_r - sum_c (beta_r A_rc) T_c), then
+    T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj."""
+    row_id = jnp.arange(SUB, dtype=jnp.int32)[:, None]  # [16, 1]
+    eye = (row_id == jnp.arange(SUB, dtype=jnp.int32)[None, :]).astype(F32)
+
+    def diag_inverse(i):
+        def body(r, x):
+            return x - jnp.where(row_id == r, jnp.sum(diag_row(i, r)[:, None] * x, axis=0)[None, :], 0.0)
+        return lax.fori_loop(1, SUB, body, eye)
+
+    inv = {(i, i): diag_inverse(i) for i in range(NSUB)}
+    for gap in range(1, NSUB):
+        for j in range(NSUB - gap):
+            i = j + gap
+            inv[i, j] = -dot(inv[i, i], sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i)))
+    return inv
+
+
 def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, inverse_ref, *, head_k, scale,
                   precise, interpret):
     chunk, head = pl.program_id(0), pl.program_id(1)
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
-    row_id = jnp.arange(SUB, dtype=jnp.int32)[:, None]  # [16, 1]
     zero = jnp.zeros((SUB, SUB), F32)
     # G at the end of each sub-chunk (chunk-local), as [1, K] rows; the chunk's start is 0.
     ends = [jnp.zeros((1, head_k), F32)] + [G_ref[pl.ds(t0 + SUB * i + SUB - 1, 1), head, :] for i in range(NSUB)]
 
-    # Pairs of sub-chunks i > j, every exponent <= 0:
-    #   (q_i e^{G_i - end_{i-1}} e^{end_{i-1} - end_j}) . (k_j e^{end_j - G_j}).
     beta = [beta_ref[rows, head].astype(F32)[:, None] for rows in sub_rows]  # [16, 1]
-    kr, akk = [], {}
+    kr, a_blk = [], {}
     for i, rows in enumerate(sub_rows):
         q, k, G = qn_ref[rows, head, :].astype(F32), kn_ref[rows, head, :].astype(F32), G_ref[rows, head, :]
         kr.append(k * jnp.exp(ends[i + 1] - G))
@@ -145,49 +171,92 @@ def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, 
             q_loc, k_loc = q * local, k * local
         for j in range(NSUB):
             if j < i:
-                between = jnp.exp(ends[i] - ends[j + 1])  # [1, K]
-                block = dot(q_loc * between, kr[j], trans_b=True) * scale  # [16, 16]
-                akk[i, j] = dot(k_loc * between, kr[j], trans_b=True)
+                block, akk = _pair_blocks(q_loc, k_loc, jnp.exp(ends[i] - ends[j + 1]), kr[j], dot, scale)
+                a_blk[i, j] = beta[i] * akk
             else:
                 block = aqkd_ref[head, rows, :] if j == i else zero
             aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = block.astype(aqk_ref.dtype)
 
-    # T = (I + diag(beta) A_kk)^-1, blockwise. Diagonal blocks by forward substitution, reading row r of A_ii from
-    # memory: row r of T_ii = e_r - sum_c (beta_r A_rc) T_c; then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj.
-    eye = (row_id == jnp.arange(SUB, dtype=jnp.int32)[None, :]).astype(F32)
-
-    def diag_inverse(i):
-        def body(r, x):
-            a_r = akkd_ref[head, t0 + SUB * i + r, :] * beta_ref[t0 + SUB * i + r, head].astype(F32)  # [16]
-            return x - jnp.where(row_id == r, jnp.sum(a_r[:, None] * x, axis=0)[None, :], 0.0)
-        return lax.fori_loop(1, SUB, body, eye)
-
-    a_blk = {(i, j): beta[i] * akk[i, j] for (i, j) in akk}
-    inv = {(i, i): diag_inverse(i) for i in range(NSUB)}
-    for gap in range(1, NSUB):
-        for j in range(NSUB - gap):
-            i = j + gap
-            inv[i, j] = -dot(inv[i, i], sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i)))
+    inv = _wy_inverse(a_blk, lambda i, r: akkd_ref[head, t0 + SUB * i + r, :]
+                      * beta_ref[t0 + SUB * i + r, head].astype(F32), dot)
     for i, rows in enumerate(sub_rows):
         for j in range(NSUB):
             inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=1, interpret=False):
-    """Kernel 3, one program per (chunk, head), on 16-row blocks: the cross-sub-chunk scores and the WY inverse.
-    Returns A_qk [H, Ttot, 64] (scaled q; in qn's dtype) and T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t
-    of its chunk's 64 x 64 lower-triangular block). Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32)
-    with fp32 inputs."""
+def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, aqk_ref, akk_ref, *, scale, precise, interpret):
+    chunk, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # i: this program's row sub-chunk
+    t0 = chunk * CHUNK
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    rows = pl.ds(t0 + SUB * i, SUB)
+    for j in range(NSUB):
+        @pl.when(j == i)
+        def _diagonal():
+            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqkd_ref[head, rows, :].astype(aqk_ref.dtype)
+
+        @pl.when(j > i)
+        def _above():
+            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+
+    @pl.when(i > 0)
+    def _pairs():
+        end_prev = G_ref[pl.ds(t0 + SUB * i - 1, 1), head, :]  # [1, K] G at the end of sub-chunk i - 1
+        G = G_ref[rows, head, :]
+        local = jnp.exp(G - end_prev)
+        q_loc, k_loc = qn_ref[rows, head, :].astype(F32) * local, kn_ref[rows, head, :].astype(F32) * local
+        for j in range(NSUB - 1):
+            @pl.when(j < i)
+            def _pair():
+                key_rows = pl.ds(t0 + SUB * j, SUB)
+                end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, :]  # [1, K]
+                kr = kn_ref[key_rows, head, :].astype(F32) * jnp.exp(end_j - G_ref[key_rows, head, :])
+                aqk, akk = _pair_blocks(q_loc, k_loc, jnp.exp(end_prev - end_j), kr, dot, scale)
+                aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqk.astype(aqk_ref.dtype)
+                akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk
+
+
+def _inverse_kernel(akk_ref, akkd_ref, beta_ref, inverse_ref, *, precise, interpret):
+    chunk, head = pl.program_id(0), pl.program_id(1)
+    t0 = chunk * CHUNK
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
+    a_blk = {(i, j): beta_ref[sub_rows[i], head].astype(F32)[:, None] * akk_ref[head, sub_rows[i], pl.ds(SUB * j, SUB)]
+             for i in range(NSUB) for j in range(i)}
+    inv = _wy_inverse(a_blk, lambda i, r: akkd_ref[head, t0 + SUB * i + r, :]
+                      * beta_ref[t0 + SUB * i + r, head].astype(F32), dot)
+    zero = jnp.zeros((SUB, SUB), F32)
+    for i, rows in enumerate(sub_rows):
+        for j in range(NSUB):
+            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
+
+
+def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=1, split=False, interpret=False):
+    """Kernel 3: the cross-sub-chunk scores and the WY inverse. Returns A_qk [H, Ttot, 64] (scaled q; in qn's dtype)
+    and T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t of its chunk's 64 x 64 lower-triangular block).
+    Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32) with fp32 inputs.
+
+    split=False: one program per (chunk, head), on 16-row blocks. split=True (fla's layout; an experiment timed by
+    benchmarks/kda_kernels.py --tune): the scores in one program per (chunk, head, row sub-chunk), writing the
+    off-diagonal A_kk blocks ([H, Ttot, 64] fp32), then the inverse in one program per (chunk, head) — fewer live
+    registers per program, one more round trip of A_kk through memory."""
     total, H, K = qn.shape
-    kernel = functools.partial(_inter_kernel, head_k=K, scale=scale, precise=qn.dtype == F32, interpret=interpret)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
-        grid=(total // CHUNK, H),
-        compiler_params=_params(num_warps),
-        interpret=interpret,
-        name="kda_chunk_inter",
-    )(qn, kn, G, beta, aqk_d, akk_d)
+    precise = qn.dtype == F32
+    aqk_shape, f32_shape = (jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype),
+                            jax.ShapeDtypeStruct((H, total, CHUNK), F32))
+    if not split:
+        kernel = functools.partial(_inter_kernel, head_k=K, scale=scale, precise=precise, interpret=interpret)
+        return pl.pallas_call(kernel, out_shape=(aqk_shape, f32_shape), grid=(total // CHUNK, H),
+                              compiler_params=_params(num_warps), interpret=interpret,
+                              name="kda_chunk_inter")(qn, kn, G, beta, aqk_d, akk_d)
+    aqk, akk = pl.pallas_call(
+        functools.partial(_scores_kernel, scale=scale, precise=precise, interpret=interpret),
+        out_shape=(aqk_shape, f32_shape), grid=(total // CHUNK, H, NSUB), compiler_params=_params(num_warps),
+        interpret=interpret, name="kda_chunk_scores")(qn, kn, G, aqk_d)
+    inverse = pl.pallas_call(
+        functools.partial(_inverse_kernel, precise=precise, interpret=interpret),
+        out_shape=f32_shape, grid=(total // CHUNK, H), compiler_params=_params(num_warps), interpret=interpret,
+        name="kda_chunk_inverse")(akk, akk_d, beta)
+    return aqk, inverse
 
 
 def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
@@ -239,7 +308,7 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
 
 
 def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1, diag_heads=4, diag_warps=1,
-          wu_warps=4, interpret=False):
+          wu_warps=4, split_inter=False, interpret=False):
     """Kernels 1-4: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
     Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
@@ -248,7 +317,8 @@ def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1,
     qn, kn, G = prepare(q, k, g, A_log, dt_bias, l2norm=l2norm, gate=gate, interpret=interpret)
     aqk_d, akk_d = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
                         interpret=interpret)
-    aqk, inverse = inter(qn, kn, G, beta, aqk_d, akk_d, scale=scale, num_warps=num_warps, interpret=interpret)
+    aqk, inverse = inter(qn, kn, G, beta, aqk_d, akk_d, scale=scale, num_warps=num_warps, split=split_inter,
+                         interpret=interpret)
     qg, kg, w, u, g_last = wu(qn, kn, G, v.astype(q.dtype), beta, inverse, scale=scale, num_warps=wu_warps,
                               interpret=interpret)
     return qg, kg, w, u, aqk, g_last
