@@ -53,6 +53,19 @@ def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> st
     return module.unsupported_reason(rows_dtype, contract_dim, out_dim)
 
 
+def _pallas_or_fallback(key: str, implementation: str, reason: str | None, fallback: str, alternatives: str) -> str:
+    """'pallas' when it can run (reason is None); else an error naming `reason` for an explicit `key`=pallas, or
+    `fallback` for auto, logged once per reason."""
+    if reason is None:
+        return "pallas"
+    if implementation == "pallas":
+        raise RuntimeError(f"{key}=pallas was requested, but {reason}; use {alternatives}")
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("%s=auto: %s, because %s", key, fallback, reason)
+    return fallback
+
+
 def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_dim: int = 128) -> str:
     """Maps a `moe_grouped_matmul` value to the implementation that runs: 'gather' | 'ragged_dot' | 'pallas'."""
     if implementation not in CHOICES:
@@ -64,14 +77,7 @@ def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_d
     if implementation == "auto" and jax.default_backend() == "tpu":
         return "ragged_dot"
     reason = pallas_unavailable_reason(rows_dtype or "bfloat16", contract_dim, out_dim)
-    if reason is None:
-        return "pallas"
-    if implementation == "pallas":
-        raise RuntimeError(f"moe_grouped_matmul=pallas was requested, but {reason}; use auto, ragged_dot or gather")
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("moe_grouped_matmul=auto: ragged_dot, because %s", reason)
-    return "ragged_dot"
+    return _pallas_or_fallback("moe_grouped_matmul", implementation, reason, "ragged_dot", "auto, ragged_dot or gather")
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, row_groups: jax.Array, *,
@@ -104,15 +110,8 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
     if implementation == "auto" and (jax.default_backend() != "gpu" or num_rows > DENSE_PALLAS_MAX_ROWS
                                      or jnp.dtype(dtype) != jnp.bfloat16):
         return "xla"
-    reason = pallas_unavailable_reason(dtype, contract_dim, out_dim)
-    if reason is None:
-        return "pallas"
-    if implementation == "pallas":
-        raise RuntimeError(f"dense_matmul=pallas was requested, but {reason}; use auto or xla")
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("dense_matmul=auto: xla, because %s", reason)
-    return "xla"
+    return _pallas_or_fallback("dense_matmul", implementation, pallas_unavailable_reason(dtype, contract_dim, out_dim),
+                               "xla", "auto or xla")
 
 
 def dense_matmul(x: jax.Array, kernel: jax.Array, *, implementation: str = "auto", precision=None) -> jax.Array:
@@ -123,6 +122,6 @@ def dense_matmul(x: jax.Array, kernel: jax.Array, *, implementation: str = "auto
     if resolve_dense(implementation, x.dtype, x.shape[-1], kernel.shape[-1], rows) == "xla":
         return jnp.dot(x, kernel, precision=precision)
     from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-    out = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernel.astype(x.dtype))  # [M, N]
+    out = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernel)  # [M, N]
     return out.reshape(*x.shape[:-1], kernel.shape[-1])
 
