@@ -130,17 +130,18 @@ def _pair_blocks(q_loc, k_loc, between, kr, dot, scale):
     return dot(q_loc * between, kr, trans_b=True) * scale, dot(k_loc * between, kr, trans_b=True)
 
 
-def _wy_inverse(a_blk, diag_row, dot):
-    """T = (I + diag(beta) A_kk)^-1 of one chunk, as [16, 16] blocks inv[i, j] (j <= i). a_blk[i, j] = beta_i A_ij
-    for j < i; diag_row(i, r) = row r of beta_i A_ii ([16], strictly lower, read from memory). Diagonal blocks by
-    forward substitution (row r of T_ii = e_r - sum_c (beta_r A_rc) T_c), then
-    T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj."""
+def _store_wy_inverse(a_blk, akkd_ref, beta_ref, inverse_ref, head, t0, dot):
+    """Writes T = (I + diag(beta) A_kk)^-1 of the chunk at t0 as its [64, 64] rows, from [16, 16] blocks:
+    a_blk[i, j] = beta_i A_ij (j < i); the diagonal blocks' rows come from akkd_ref. Diagonal blocks by forward
+    substitution (row r of T_ii = e_r - sum_c (beta_r A_rc) T_c), then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj;
+    zeros above the diagonal."""
     row_id = jnp.arange(SUB, dtype=jnp.int32)[:, None]  # [16, 1]
     eye = (row_id == jnp.arange(SUB, dtype=jnp.int32)[None, :]).astype(F32)
 
     def diag_inverse(i):
         def body(r, x):
-            return x - jnp.where(row_id == r, jnp.sum(diag_row(i, r)[:, None] * x, axis=0)[None, :], 0.0)
+            a_r = akkd_ref[head, t0 + SUB * i + r, :] * beta_ref[t0 + SUB * i + r, head].astype(F32)  # [16]
+            return x - jnp.where(row_id == r, jnp.sum(a_r[:, None] * x, axis=0)[None, :], 0.0)
         return lax.fori_loop(1, SUB, body, eye)
 
     inv = {(i, i): diag_inverse(i) for i in range(NSUB)}
@@ -148,7 +149,10 @@ def _wy_inverse(a_blk, diag_row, dot):
         for j in range(NSUB - gap):
             i = j + gap
             inv[i, j] = -dot(inv[i, i], sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i)))
-    return inv
+    zero = jnp.zeros((SUB, SUB), F32)
+    for i in range(NSUB):
+        for j in range(NSUB):
+            inverse_ref[head, pl.ds(t0 + SUB * i, SUB), pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
 def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, inverse_ref, *, head_k, scale,
@@ -177,11 +181,7 @@ def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, 
                 block = aqkd_ref[head, rows, :] if j == i else zero
             aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = block.astype(aqk_ref.dtype)
 
-    inv = _wy_inverse(a_blk, lambda i, r: akkd_ref[head, t0 + SUB * i + r, :]
-                      * beta_ref[t0 + SUB * i + r, head].astype(F32), dot)
-    for i, rows in enumerate(sub_rows):
-        for j in range(NSUB):
-            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
+    _store_wy_inverse(a_blk, akkd_ref, beta_ref, inverse_ref, head, t0, dot)
 
 
 def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, aqk_ref, akk_ref, *, scale, precise, interpret):
@@ -222,12 +222,7 @@ def _inverse_kernel(akk_ref, akkd_ref, beta_ref, inverse_ref, *, precise, interp
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
     a_blk = {(i, j): beta_ref[sub_rows[i], head].astype(F32)[:, None] * akk_ref[head, sub_rows[i], pl.ds(SUB * j, SUB)]
              for i in range(NSUB) for j in range(i)}
-    inv = _wy_inverse(a_blk, lambda i, r: akkd_ref[head, t0 + SUB * i + r, :]
-                      * beta_ref[t0 + SUB * i + r, head].astype(F32), dot)
-    zero = jnp.zeros((SUB, SUB), F32)
-    for i, rows in enumerate(sub_rows):
-        for j in range(NSUB):
-            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
+    _store_wy_inverse(a_blk, akkd_ref, beta_ref, inverse_ref, head, t0, dot)
 
 
 def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=1, split=False, interpret=False):
