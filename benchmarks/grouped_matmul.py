@@ -62,6 +62,12 @@ DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128)
                for mp in (128, 256, 512)]
 
 
+def random_weights(seed: int, count: int, shape: tuple[int, ...]) -> list[jax.Array]:
+    """`count` bf16 weight arrays of `shape` (contraction on axis -2), N(0, 1 / K), made on the device."""
+    return [(jax.random.normal(k, shape) / np.sqrt(shape[-2])).astype(jnp.bfloat16)
+            for k in jax.random.split(jax.random.key(seed), count)]
+
+
 def routed_rows(rng, tokens: int, contract: int, layers: int, pool: int = EXPERTS):
     """Per layer, sorted rows of `tokens` tokens x top-8 distinct experts drawn uniformly from a random `pool` of
     the experts (all of them: uniform routing; fewer: the concentrated routing a trained router shows): lists of
@@ -80,11 +86,38 @@ def routed_rows(rng, tokens: int, contract: int, layers: int, pool: int = EXPERT
 
 
 def per_layer(impl):
-    """One jitted program (XLA module jit_grouped_layers) applying impl(rows, weights, sizes, groups) to every
-    layer's own inputs."""
-    def grouped_layers(rows, weights, sizes, groups):
-        return [impl(*a) for a in zip(rows, weights, sizes, groups)]
+    """One jitted program (XLA module jit_grouped_layers) applying impl to every layer's own inputs: called with one
+    list per argument of impl, each holding that argument for every layer."""
+    def grouped_layers(*inputs):
+        return [impl(*layer) for layer in zip(*inputs)]
     return jax.jit(grouped_layers)
+
+
+def time_impls(label: str, impls: dict, inputs: tuple, wants: list, weight_bytes: float, args) -> dict:
+    """Times every implementation (per_layer programs over `inputs`, time / --layers) and checks the first layer's
+    product(s) against `wants` (relative L2 <= 1e-2). Returns impl -> {us, rel_l2, ok, weight_TBps[,
+    kernels_us_per_call]}; options that do not divide the shape (ValueError) are skipped. Prints one line (the 5
+    fastest with --sweep)."""
+    timed = {}
+    for impl, fn in impls.items():
+        program = per_layer(fn)
+        try:
+            got = program(*inputs)[0]
+        except ValueError as e:  # a sweep option that does not divide this shape
+            print(f"  skip {impl}: {e}")
+            continue
+        err = max(rel_l2(g, w) for g, w in zip(got if isinstance(got, tuple) else (got,), wants))
+        seconds = time_jax(program, *inputs) / args.layers
+        timed[impl] = {"us": seconds * 1e6, "rel_l2": err, "ok": err <= 1e-2,
+                       "weight_TBps": weight_bytes / seconds / 1e12}
+        if args.profile:
+            timed[impl]["kernels_us_per_call"] = kernel_profile(program, inputs)
+            print(f"  {label} {impl} kernels (us per call of {args.layers} layers): "
+                  + "; ".join(f"{op} {us:.1f}" for op, us in timed[impl]["kernels_us_per_call"]), flush=True)
+    shown = sorted(timed, key=lambda impl: timed[impl]["us"])[:5] if args.sweep else timed
+    print(f"  {label}: " + ", ".join(f"{impl} {timed[impl]['us']:.1f} us ({timed[impl]['weight_TBps']:.2f} TB/s, "
+                                     f"err {timed[impl]['rel_l2']:.1e})" for impl in shown), flush=True)
+    return timed
 
 
 def kernel_profile(fn, args, calls: int = 3, top: int = 6) -> list[tuple[str, float]]:
@@ -123,25 +156,15 @@ def bench_dense(args, rng) -> list[dict]:
         impls["pallas"] = pallas_gmm.dense_matmul
     rows_out = []
     for index, (name, contract, out_dim) in enumerate(DENSE_SHAPES):
-        keys = jax.random.split(jax.random.key(100 + index), args.layers)
-        kernels = [(jax.random.normal(k, (contract, out_dim)) / np.sqrt(contract)).astype(jnp.bfloat16)
-                   for k in keys]  # [K, N] per layer
+        kernels = random_weights(100 + index, args.layers, (contract, out_dim))  # [K, N] per layer
         for num_rows in args.dense_rows:
             xs = [jnp.asarray(rng.normal(size=(num_rows, contract)), jnp.bfloat16) for _ in range(args.layers)]
             want = jnp.dot(xs[0].astype(jnp.float32), kernels[0].astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
-            row = {"shape": name, "K": contract, "N": out_dim, "rows": num_rows, "ok": True}
-            for impl, fn in impls.items():
-                program = jax.jit(lambda xs_, ws_, fn=fn: [fn(x, w) for x, w in zip(xs_, ws_)])
-                err = rel_l2(program(xs, kernels)[0], want)
-                seconds = time_jax(program, xs, kernels) / args.layers
-                row["ok"] &= err <= 1e-2
-                row[impl] = {"us": seconds * 1e6, "rel_l2": err, "weight_TBps": contract * out_dim * 2 / seconds / 1e12}
+            row = {"shape": name, "K": contract, "N": out_dim, "rows": num_rows}
+            row.update(time_impls(f"dense {name} [{num_rows}, {contract}] x [{contract}, {out_dim}]", impls,
+                                  (xs, kernels), [want], contract * out_dim * 2, args))
             rows_out.append(row)
-            timed = sorted(impls, key=lambda impl: row[impl]["us"])[:5] if args.sweep else list(impls)
-            print(f"  dense {name} [{num_rows}, {contract}] x [{contract}, {out_dim}]: " + ", ".join(
-                f"{impl} {row[impl]['us']:.1f} us ({row[impl]['weight_TBps']:.2f} TB/s, err {row[impl]['rel_l2']:.1e})"
-                for impl in timed), flush=True)
     if not args.sweep:
         print("\n| dense projection | rows | xla us | pallas us | xla weight TB/s | pallas weight TB/s |")
         print("|---|---|---|---|---|---|")
@@ -155,9 +178,8 @@ def bench_gate_up_fusion(args, rng) -> list[dict]:
     """An MoE's gate and up products (K 2304 -> N 1024 each) as two Pallas calls against one call with both weight
     arrays (one kernel reads each row block once for both), per token count; each product checked against the fp32
     oracle; TB/s = weight bytes of both arrays' experts in use / time."""
-    keys = jax.random.split(jax.random.key(7), 2 * args.layers)
-    gate_up = [tuple((jax.random.normal(k, (EXPERTS, EMB, WIDTH)) / np.sqrt(EMB)).astype(jnp.bfloat16)
-                     for k in pair) for pair in zip(keys[::2], keys[1::2])]  # per layer (gate, up) [E, K, N]
+    weights = random_weights(7, 2 * args.layers, (EXPERTS, EMB, WIDTH))
+    gate_up = list(zip(weights[::2], weights[1::2]))  # per layer (gate, up) [E, K, N]
     oracle_weights = [w.astype(jnp.float32) for w in gate_up[0]]
     impls = {"two calls": lambda r, w, s, g: tuple(pallas_gmm.grouped_matmul(r, x, s, g) for x in w),
              "fused": pallas_gmm.grouped_matmul}
@@ -165,18 +187,10 @@ def bench_gate_up_fusion(args, rng) -> list[dict]:
     for tokens in args.tokens:
         rows, sizes, groups, used = routed_rows(rng, tokens, EMB, args.layers, args.expert_pool)
         wants = [jax.jit(oracle)(rows[0], w, groups[0]) for w in oracle_weights]
-        row = {"tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used, "ok": True}
-        for impl, fn in impls.items():
-            program = per_layer(fn)
-            errors = [rel_l2(got, want) for got, want in zip(program(rows, gate_up, sizes, groups)[0], wants)]
-            seconds = time_jax(program, rows, gate_up, sizes, groups) / args.layers
-            row["ok"] &= max(errors) <= 1e-2
-            row[impl] = {"us": seconds * 1e6, "rel_l2": max(errors),
-                         "expert_weight_TBps": 2 * used * EMB * WIDTH * 2 / seconds / 1e12}
+        row = {"tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used}
+        row.update(time_impls(f"gate+up tokens={tokens} rows={row['rows']}", impls, (rows, gate_up, sizes, groups),
+                              wants, 2 * used * EMB * WIDTH * 2, args))
         out.append(row)
-        print(f"  gate+up tokens={tokens} rows={row['rows']}: " + ", ".join(
-            f"{impl} {row[impl]['us']:.1f} us ({row[impl]['expert_weight_TBps']:.2f} TB/s, err "
-            f"{row[impl]['rel_l2']:.1e})" for impl in impls), flush=True)
     print("\n| gate + up | tokens | rows | two calls us | fused us | fused / two calls |")
     print("|---|---|---|---|---|---|")
     for r in out:
@@ -204,11 +218,9 @@ def main() -> int:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv)}
     print(json.dumps(env), flush=True)
-    results, ok = [], True
+    results = []
     for shape_index, (name, contract, out_dim) in enumerate((("gate/up", EMB, WIDTH), ("down", WIDTH, EMB))):
-        keys = jax.random.split(jax.random.key(shape_index), args.layers)
-        weights = [(jax.random.normal(k, (EXPERTS, contract, out_dim)) / np.sqrt(contract)).astype(jnp.bfloat16)
-                   for k in keys]  # made on the device: [E, K, N] bf16 per layer
+        weights = random_weights(shape_index, args.layers, (EXPERTS, contract, out_dim))  # [E, K, N] per layer
         weights_f32 = weights[0].astype(jnp.float32)
         for tokens in args.tokens:
             rows, sizes, groups, used = routed_rows(rng, tokens, contract, args.layers, args.expert_pool)
@@ -223,32 +235,13 @@ def main() -> int:
                 if rows[0].shape[0] <= XLA_MAX_ROWS:
                     impls["ragged_dot"] = lambda r, w, s, g: jax.lax.ragged_dot(r, w, s)
                     impls["gather"] = lambda r, w, s, g: gather_matmul(r, w, g)
-            weight_bytes = used * contract * out_dim * 2
             row = {"shape": name, "tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used}
-            for impl, fn in impls.items():
-                try:
-                    fn = per_layer(fn)
-                    err = rel_l2(fn(rows, weights, sizes, groups)[0], want)
-                except ValueError as e:  # a sweep option that does not divide this shape
-                    print(f"  skip {impl}: {e}")
-                    continue
-                seconds = time_jax(fn, rows, weights, sizes, groups) / args.layers
-                ok &= err <= 1e-2
-                row[impl] = {"us": seconds * 1e6, "rel_l2": err, "expert_weight_TBps": weight_bytes / seconds / 1e12}
-                if args.profile:
-                    row[impl]["kernels_us_per_call"] = kernel_profile(fn, (rows, weights, sizes, groups))
-                    print(f"  {name} tokens={tokens} {impl} kernels (us per call of {args.layers} layers): "
-                          + "; ".join(f"{op} {us:.1f}" for op, us in row[impl]["kernels_us_per_call"]), flush=True)
+            row.update(time_impls(f"{name} tokens={tokens} rows={row['rows']} experts={used:.1f}", impls,
+                                  (rows, weights, sizes, groups), [want], used * contract * out_dim * 2, args))
             results.append(row)
-            timed = {k: v for k, v in row.items() if isinstance(v, dict)}
-            shown = sorted(timed, key=lambda k: timed[k]["us"])[:5] if args.sweep else timed
-            print(f"  {name} tokens={tokens} rows={row['rows']} experts={used:.1f}: " + ", ".join(
-                f"{impl} {timed[impl]['us']:.1f} us ({timed[impl]['expert_weight_TBps']:.2f} TB/s, "
-                f"err {timed[impl]['rel_l2']:.1e})" for impl in shown), flush=True)
     dense = bench_dense(args, rng)
-    ok &= all(r["ok"] for r in dense)
     fusion = [] if args.sweep else bench_gate_up_fusion(args, rng)
-    ok &= all(r["ok"] for r in fusion)
+    ok = all(timed["ok"] for row in results + dense + fusion for timed in row.values() if isinstance(timed, dict))
     if not args.sweep:
         print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "
               "pallas expert-weight TB/s |")
@@ -257,7 +250,7 @@ def main() -> int:
             cell = lambda impl: f"{r[impl]['us']:.1f}" if impl in r else "-"  # noqa: E731
             print(f"| {r['shape']} | {r['tokens']} | {r['rows']} | {r['experts_used']:.1f} | {cell('pallas')} | "
                   f"{cell('pallas_tiles')} | {cell('ragged_dot')} | {cell('gather')} | "
-                  f"{r['pallas']['expert_weight_TBps']:.2f} |")
+                  f"{r['pallas']['weight_TBps']:.2f} |")
     print("correctness: all within 1e-2 relative L2" if ok else "CORRECTNESS FAILURE", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "grouped_matmul.json"), "w") as f:
