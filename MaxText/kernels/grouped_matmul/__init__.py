@@ -95,7 +95,7 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
 
 DENSE_CHOICES = ("auto", "xla", "pallas")
 # `auto`: the Pallas kernel for at most this many rows. Measured on an H200 (Kimi-Linear-48B decode steps, JAX 0.11.2):
-# batch 1 4.51 ms with it vs 6.70 ms with XLA; batch 8 9.08 vs 8.72 ms (two runs of model_decode.py each way;
+# batch 1 4.51 ms with it vs 6.70 ms with XLA; batch 8 9.08 vs 8.72 ms (one run of model_decode.py each way;
 # per projection, same run: benchmarks/grouped_matmul.py; benchmarks/RESULTS.md).
 DENSE_PALLAS_MAX_ROWS = 1
 
