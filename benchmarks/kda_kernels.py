@@ -329,12 +329,14 @@ def tune_prefill():
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
     aqk_d, akk_d = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for split in (False, True):  # one program per chunk; scores per row sub-chunk + inverse per chunk
-        for warps in (1, 2, 4):
-            timed(f"inter split={split} warps={warps}",
-                  lambda *a, w=warps, sp=split: pallas_chunk.inter(*a, scale=K ** -0.5, num_warps=w, split=sp),
-                  qn, kn, G, beta, aqk_d, akk_d)
-    _, inverse = jax.jit(lambda *a: pallas_chunk.inter(*a, scale=K ** -0.5))(qn, kn, G, beta, aqk_d, akk_d)
+    for warps in (1, 2, 4):
+        timed(f"scores warps={warps}", lambda *a, w=warps: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w),
+              qn, kn, G, aqk_d)
+    _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, aqk_d)
+    for warps in (1, 2, 4):
+        timed(f"wy_inverse warps={warps}",
+              lambda *a, w=warps: pallas_chunk.wy_inverse(*a, precise=False, num_warps=w), akk, akk_d, beta)
+    inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, precise=False))(akk, akk_d, beta)
     for warps in (2, 4, 8):
         timed(f"wu warps={warps}", lambda *a, w=warps: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w),
               qn, kn, G, v, beta, inverse)

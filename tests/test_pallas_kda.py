@@ -46,18 +46,34 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
     assert_close(s, s_ref)
 
 
-def test_split_inter_kernels_give_the_intermediates_of_the_fused_one():
-    """pallas_chunk.inter(split=True) (scores per row sub-chunk, then the inverse; timed by kda_kernels.py --tune)
-    computes what the default one-program-per-chunk `inter` does, which the chunk_kda tests check against naive."""
+@pytest.mark.parametrize("aligned_keys", [False, True])
+def test_wy_inverse_kernel_inverts_each_chunks_matrix(aligned_keys):
+    """`wy_inverse` (diagonal 16x16 blocks by block size doubling, then the off-diagonal blocks) gives
+    (I + diag(beta) A_kk)^-1 of every chunk, A_kk assembled from the `diag` and `scores` kernels' blocks. Random
+    strong gates make the entries of A_kk span several orders of magnitude; nearly parallel keys without decay and
+    beta ~ 1 make it close to all-ones below the diagonal (where a Neumann product of powers loses 5e-4)."""
     from MaxText.kernels.kda import pallas_chunk
-    x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32)
-    flat = {name: jnp.asarray(x[name][0]) for name in ("q", "k", "v", "g", "beta")}  # [T = 2 chunks, H, ...]
-    kw = dict(scale=32 ** -0.5, l2norm=True, gate=False, interpret=True)
-    fused = pallas_chunk.intra(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], None, None, **kw)
-    split = pallas_chunk.intra(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], None, None,
-                               split_inter=True, **kw)
-    for a, b in zip(split, fused):  # qg, kg, w, u, A_qk, G_last
-        assert_close(a, b)
+    x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32, raw_gate=True)
+    if aligned_keys:
+        x["k"] = x["k"][:, :1] + 0.05 * x["k"]  # [1, T, H, K] one direction plus a little noise
+        x["g"] = np.full_like(x["g"], -30.0)  # softplus(-30 + dt_bias) ~ 0: no decay
+        x["beta"] = np.full_like(x["beta"], 0.99)
+    q, k, g, beta = (jnp.asarray(x[name][0]) for name in ("q", "k", "g", "beta"))  # [T = 2 chunks, H, ...]
+    qn, kn, G = pallas_chunk.prepare(q, k, g, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), l2norm=True,
+                                     gate=True, interpret=True)
+    aqk_d, akk_d = pallas_chunk.diag(qn, kn, G, scale=1.0, interpret=True)
+    _, akk = pallas_chunk.scores(qn, kn, G, aqk_d, scale=1.0, interpret=True)
+    inverse = np.asarray(pallas_chunk.wy_inverse(akk, akk_d, beta, precise=True, interpret=True))  # [H, T, 64]
+    sub = pallas_chunk.SUB
+    block = np.arange(64)[:, None] // sub, np.arange(64)[None, :] // sub
+    for h in range(2):
+        for c in range(2):
+            rows = slice(64 * c, 64 * c + 64)
+            a_kk = np.where(block[1] < block[0], np.asarray(akk[h, rows]), 0.0)  # off-diagonal blocks, j < i
+            for i in range(4):
+                a_kk[sub * i:sub * i + sub, sub * i:sub * i + sub] = np.asarray(akk_d[h, 64 * c + sub * i:][:sub])
+            want = np.linalg.inv(np.eye(64) + np.asarray(beta[rows, h], np.float64)[:, None] * a_kk)
+            np.testing.assert_allclose(inverse[h, rows], want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("head_k,head_v", [(64, 128), (128, 64)])

@@ -1,4 +1,4 @@
-"""Pallas (Triton lowering) chunked KDA prefill forward: five kernels, the math of `chunked.py`.
+"""Pallas (Triton lowering) chunked KDA prefill forward: six kernels, the math of `chunked.py`.
 
 Tokens are laid out flat, `[Ttot, H, D]`, every sequence starting on a chunk boundary (the wrapper in
 `pallas_ops.chunk_kda` pads each sequence to a multiple of C = 64 tokens), so no chunk straddles two sequences.
@@ -10,21 +10,23 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
 2. `diag` -- token-parallel, per (token t, block of heads): the 16x16 diagonal blocks of A_qk / A_kk (pairs inside
    one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
-3. `inter` -- per (chunk, head), on 16-row blocks: pairs across sub-chunks I > J as one tensor-core product each,
+3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as one tensor-core product each,
    factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
-   writes A_qk (scaled q) and T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: forward substitution on the
-   diagonal blocks (reading their rows from memory), then the off-diagonal blocks. (`inter(split=True)`: the same
-   as two kernels, scores per (chunk, head, row sub-chunk) and the inverse per (chunk, head); not yet timed.)
-4. `wu` -- per (chunk, head, block of 64 key / value columns): w = T (beta k e^G), u = T (beta v) ([64, 64] x
+   writes A_qk (scaled q) and the off-diagonal blocks of A_kk (fp32).
+4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: the diagonal blocks by
+   block size doubling (four steps of two tensor-core products), then the off-diagonal blocks. (Scores and inverse
+   in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a parallel inverse of the
+   diagonal blocks, vs 1.8 ms as two kernels: benchmarks/RESULTS.md.)
+5. `wu` -- per (chunk, head, block of 64 key / value columns): w = T (beta k e^G), u = T (beta v) ([64, 64] x
    [64, 64] products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
-5. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
+6. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
    chunks, state S [K, BV] fp32 in registers:
        v_new = u - w S;  o = qg S + A_qk v_new;  S = e^{G_last} S + kg^T v_new
    (with bf16 inputs S enters the tensor-core products as bf16, as in fla-core, accumulating in fp32; with fp32
    inputs every intermediate stays fp32 and the products use 3-pass tf32, about fp32 accuracy).
 
-All run under `interpret=True` on CPU (the tests do, at small shapes). Measured split and the open gap:
-benchmarks/RESULTS.md (there, w and u were still computed inside `inter` from 16-row blocks, which dominated).
+All run under `interpret=True` on CPU (the tests do, at small shapes). Per-kernel times and the open gap to fla-core:
+benchmarks/RESULTS.md (`python benchmarks/kda_kernels.py --tune`).
 """
 
 from __future__ import annotations
@@ -130,58 +132,21 @@ def _pair_blocks(q_loc, k_loc, between, kr, dot, scale):
     return dot(q_loc * between, kr, trans_b=True) * scale, dot(k_loc * between, kr, trans_b=True)
 
 
-def _store_wy_inverse(a_blk, akkd_ref, beta_ref, inverse_ref, head, t0, dot):
-    """Writes T = (I + diag(beta) A_kk)^-1 of the chunk at t0 as its [64, 64] rows, from [16, 16] blocks:
-    a_blk[i, j] = beta_i A_ij (j < i); the diagonal blocks' rows come from akkd_ref. Diagonal blocks by forward
-    substitution (row r of T_ii = e_r - sum_c (beta_r A_rc) T_c), then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj;
-    zeros above the diagonal."""
-    row_id = jnp.arange(SUB, dtype=jnp.int32)[:, None]  # [16, 1]
-    eye = (row_id == jnp.arange(SUB, dtype=jnp.int32)[None, :]).astype(F32)
-
-    def diag_inverse(i):
-        def body(r, x):
-            a_r = akkd_ref[head, t0 + SUB * i + r, :] * beta_ref[t0 + SUB * i + r, head].astype(F32)  # [16]
-            return x - jnp.where(row_id == r, jnp.sum(a_r[:, None] * x, axis=0)[None, :], 0.0)
-        return lax.fori_loop(1, SUB, body, eye)
-
-    inv = {(i, i): diag_inverse(i) for i in range(NSUB)}
-    for gap in range(1, NSUB):
-        for j in range(NSUB - gap):
-            i = j + gap
-            inv[i, j] = -dot(inv[i, i], sum(dot(a_blk[i, m], inv[m, j]) for m in range(j, i)))
-    zero = jnp.zeros((SUB, SUB), F32)
-    for i in range(NSUB):
-        for j in range(NSUB):
-            inverse_ref[head, pl.ds(t0 + SUB * i, SUB), pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
-
-
-def _inter_kernel(qn_ref, kn_ref, G_ref, beta_ref, aqkd_ref, akkd_ref, aqk_ref, inverse_ref, *, head_k, scale,
-                  precise, interpret):
-    chunk, head = pl.program_id(0), pl.program_id(1)
-    t0 = chunk * CHUNK
-    dot = functools.partial(_dot, precise=precise, interpret=interpret)
-    sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
-    zero = jnp.zeros((SUB, SUB), F32)
-    # G at the end of each sub-chunk (chunk-local), as [1, K] rows; the chunk's start is 0.
-    ends = [jnp.zeros((1, head_k), F32)] + [G_ref[pl.ds(t0 + SUB * i + SUB - 1, 1), head, :] for i in range(NSUB)]
-
-    beta = [beta_ref[rows, head].astype(F32)[:, None] for rows in sub_rows]  # [16, 1]
-    kr, a_blk = [], {}
-    for i, rows in enumerate(sub_rows):
-        q, k, G = qn_ref[rows, head, :].astype(F32), kn_ref[rows, head, :].astype(F32), G_ref[rows, head, :]
-        kr.append(k * jnp.exp(ends[i + 1] - G))
-        if i:
-            local = jnp.exp(G - ends[i])
-            q_loc, k_loc = q * local, k * local
-        for j in range(NSUB):
-            if j < i:
-                block, akk = _pair_blocks(q_loc, k_loc, jnp.exp(ends[i] - ends[j + 1]), kr[j], dot, scale)
-                a_blk[i, j] = beta[i] * akk
-            else:
-                block = aqkd_ref[head, rows, :] if j == i else zero
-            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = block.astype(aqk_ref.dtype)
-
-    _store_wy_inverse(a_blk, akkd_ref, beta_ref, inverse_ref, head, t0, dot)
+def _unit_lower_inverse(n, dot):
+    """(I + n)^-1 of a strictly lower-triangular [16, 16] n, by block size doubling: with B the inverses of the
+    diagonal blocks of size s (B = I for s = 1) and C the entries of n in the lower-left quarter of each diagonal
+    block of size 2s, B - B C B inverts the blocks of size 2s ([[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1,
+    D^-1]]). Eight tensor-core products instead of a 15-step serial forward substitution, and, unlike the Neumann
+    product (I - n)(I + n^2)(I + n^4)(I + n^8), no intermediate larger than the inverse (n close to all-ones below
+    the diagonal has n^8 entries ~ 3400: 5e-4 error in fp32)."""
+    row, col = jnp.arange(SUB, dtype=jnp.int32)[:, None], jnp.arange(SUB, dtype=jnp.int32)[None, :]
+    inverse = (row == col).astype(F32)
+    size = 1
+    while size < SUB:
+        lower_left = (row // (2 * size) == col // (2 * size)) & (row // size > col // size)
+        inverse = inverse - dot(dot(inverse, jnp.where(lower_left, n, 0.0)), inverse)
+        size *= 2
+    return inverse
 
 
 def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, aqk_ref, akk_ref, *, scale, precise, interpret):
@@ -216,42 +181,48 @@ def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, aqk_ref, akk_ref, *, scale, 
 
 
 def _inverse_kernel(akk_ref, akkd_ref, beta_ref, inverse_ref, *, precise, interpret):
+    """T = (I + diag(beta) A_kk)^-1 of one chunk from [16, 16] blocks: the diagonal ones with fp32-accurate products
+    (`_unit_lower_inverse` of beta_i A_ii, from `diag`), then T_ij = -T_ii sum_{m=j}^{i-1} (beta_i A_im) T_mj
+    (A_im from `scores`); zeros above the diagonal."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    exact = functools.partial(_dot, precise=True, interpret=interpret)
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
-    a_blk = {(i, j): beta_ref[sub_rows[i], head].astype(F32)[:, None] * akk_ref[head, sub_rows[i], pl.ds(SUB * j, SUB)]
-             for i in range(NSUB) for j in range(i)}
-    _store_wy_inverse(a_blk, akkd_ref, beta_ref, inverse_ref, head, t0, dot)
+    beta = [beta_ref[rows, head].astype(F32)[:, None] for rows in sub_rows]  # [16, 1]
+    inv = {(i, i): _unit_lower_inverse(beta[i] * akkd_ref[head, rows, :], exact) for i, rows in enumerate(sub_rows)}
+    for gap in range(1, NSUB):
+        for j in range(NSUB - gap):
+            i = j + gap
+            inv[i, j] = -dot(inv[i, i], sum(dot(beta[i] * akk_ref[head, sub_rows[i], pl.ds(SUB * m, SUB)], inv[m, j])
+                                            for m in range(j, i)))
+    zero = jnp.zeros((SUB, SUB), F32)
+    for i, rows in enumerate(sub_rows):
+        for j in range(NSUB):
+            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def inter(qn, kn, G, beta, aqk_d, akk_d, *, scale, num_warps=1, split=False, interpret=False):
-    """Kernel 3: the cross-sub-chunk scores and the WY inverse. Returns A_qk [H, Ttot, 64] (scaled q; in qn's dtype)
-    and T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t of its chunk's 64 x 64 lower-triangular block).
-    Products use tf32 with bf16 inputs and 3-pass tf32 (about fp32) with fp32 inputs.
+def scores(qn, kn, G, aqk_d, *, scale, num_warps=1, interpret=False):
+    """Kernel 3, one program per (chunk, head, row sub-chunk i): the [16, 16] score blocks of rows i against key
+    sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32), the
+    diagonal block from `diag`. Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and
+    the off-diagonal blocks of A_kk [H, Ttot, 64] fp32 (other entries unset: `wy_inverse` reads only j < i)."""
+    total, H, _ = qn.shape
+    return pl.pallas_call(
+        functools.partial(_scores_kernel, scale=scale, precise=qn.dtype == F32, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
+        grid=(total // CHUNK, H, NSUB), compiler_params=_params(num_warps), interpret=interpret,
+        name="kda_chunk_scores")(qn, kn, G, aqk_d)
 
-    split=False: one program per (chunk, head), on 16-row blocks. split=True (fla's layout; an experiment timed by
-    benchmarks/kda_kernels.py --tune): the scores in one program per (chunk, head, row sub-chunk), writing the
-    off-diagonal A_kk blocks ([H, Ttot, 64] fp32), then the inverse in one program per (chunk, head) — fewer live
-    registers per program, one more round trip of A_kk through memory."""
-    total, H, K = qn.shape
-    precise = qn.dtype == F32
-    aqk_shape, f32_shape = (jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype),
-                            jax.ShapeDtypeStruct((H, total, CHUNK), F32))
-    if not split:
-        kernel = functools.partial(_inter_kernel, head_k=K, scale=scale, precise=precise, interpret=interpret)
-        return pl.pallas_call(kernel, out_shape=(aqk_shape, f32_shape), grid=(total // CHUNK, H),
-                              compiler_params=_params(num_warps), interpret=interpret,
-                              name="kda_chunk_inter")(qn, kn, G, beta, aqk_d, akk_d)
-    aqk, akk = pl.pallas_call(
-        functools.partial(_scores_kernel, scale=scale, precise=precise, interpret=interpret),
-        out_shape=(aqk_shape, f32_shape), grid=(total // CHUNK, H, NSUB), compiler_params=_params(num_warps),
-        interpret=interpret, name="kda_chunk_scores")(qn, kn, G, aqk_d)
-    inverse = pl.pallas_call(
+
+def wy_inverse(akk, akk_d, beta, *, precise, num_warps=1, interpret=False):
+    """Kernel 4, one program per (chunk, head): T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t of its
+    chunk's 64 x 64 lower-triangular block), from the off-diagonal blocks of `scores` and the diagonal of `diag`."""
+    H, total, _ = akk.shape
+    return pl.pallas_call(
         functools.partial(_inverse_kernel, precise=precise, interpret=interpret),
-        out_shape=f32_shape, grid=(total // CHUNK, H), compiler_params=_params(num_warps), interpret=interpret,
-        name="kda_chunk_inverse")(akk, akk_d, beta)
-    return aqk, inverse
+        out_shape=jax.ShapeDtypeStruct((H, total, CHUNK), F32), grid=(total // CHUNK, H),
+        compiler_params=_params(num_warps), interpret=interpret, name="kda_chunk_inverse")(akk, akk_d, beta)
 
 
 def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
@@ -279,7 +250,7 @@ def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_r
 
 
 def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
-    """Kernel 4, one program per (chunk, head, block of WU_BLOCK key / value columns): w = T (beta k e^G),
+    """Kernel 5, one program per (chunk, head, block of WU_BLOCK key / value columns): w = T (beta k e^G),
     u = T (beta v) ([64, 64] x [64, WU_BLOCK] products), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep
     fp32 tiles within shared memory (whole [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB).
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
@@ -303,8 +274,8 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
 
 
 def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1, diag_heads=4, diag_warps=1,
-          wu_warps=4, split_inter=False, interpret=False):
-    """Kernels 1-4: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
+          wu_warps=4, interpret=False):
+    """Kernels 1-5: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
     Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
     if q.dtype not in (F32, BF16):
@@ -312,8 +283,8 @@ def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1,
     qn, kn, G = prepare(q, k, g, A_log, dt_bias, l2norm=l2norm, gate=gate, interpret=interpret)
     aqk_d, akk_d = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
                         interpret=interpret)
-    aqk, inverse = inter(qn, kn, G, beta, aqk_d, akk_d, scale=scale, num_warps=num_warps, split=split_inter,
-                         interpret=interpret)
+    aqk, akk = scores(qn, kn, G, aqk_d, scale=scale, num_warps=num_warps, interpret=interpret)
+    inverse = wy_inverse(akk, akk_d, beta, precise=q.dtype == F32, num_warps=num_warps, interpret=interpret)
     qg, kg, w, u, g_last = wu(qn, kn, G, v.astype(q.dtype), beta, inverse, scale=scale, num_warps=wu_warps,
                               interpret=interpret)
     return qg, kg, w, u, aqk, g_last
@@ -349,7 +320,7 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref,
 
 def recurrence(qg, kg, w, u, aqk, g_last, initial_state, chunk_offsets, *, out_dtype, block_v=64, num_warps=4,
                num_stages=None, interpret=False):
-    """Kernel 5. Intermediates from `intra`; initial_state [N, H, K, V] fp32; chunk_offsets [N + 1] int32 (the
+    """Kernel 6. Intermediates from `intra`; initial_state [N, H, K, V] fp32; chunk_offsets [N + 1] int32 (the
     first chunk of each sequence). Returns o [Ttot, H, V] in out_dtype and the final states [N, H, K, V] fp32.
     num_stages (software pipelining of the chunk loop's loads) defaults to 3 for bf16 inputs and 1 for fp32: one
     stage of fp32 tiles is ~128 KB at K = 128, BV = 64, and 3 stages asked for 352 KB of an H200's 227 KB."""
