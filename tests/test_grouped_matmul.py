@@ -2,6 +2,8 @@
 interpreter on CPU, its results against the gather oracle; the dispatcher's choices and errors. The Triton compile
 and the GPU speed are checked by benchmarks/grouped_matmul.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,6 +129,35 @@ def test_pallas_several_weights_in_one_kernel_match_separate_products(rowwise_ma
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="all of one shape"):
         pallas_gmm.grouped_matmul(rows, (gate, up[:, :, :16]), sizes, row_groups, interpret=True)
+
+
+@pytest.mark.parametrize("implementation", ["gather", "ragged_dot", "pallas"])
+def test_dispatcher_takes_a_tuple_of_weights_on_every_implementation(implementation, monkeypatch):
+    """The MoE passes its gate and up projections as one tuple: every implementation returns one product per array.
+    (pallas: the kernel in interpret mode, as the dispatcher would run it on one GPU.)"""
+    rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
+                                             jnp.float32, seed=7)
+    up = gate * -2.0 + 0.3
+    if implementation == "pallas":
+        monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
+        monkeypatch.setattr(pallas_gmm, "grouped_matmul",
+                            functools.partial(pallas_gmm.grouped_matmul, interpret=True))
+    with jax.default_matmul_precision("highest"):
+        got = gmm.grouped_matmul(rows, (gate, up), sizes, row_groups, implementation=implementation,
+                                 precision=jax.lax.Precision.HIGHEST)
+    assert isinstance(got, tuple) and len(got) == 2
+    for out, w in zip(got, (gate, up)):
+        want = gather_matmul(rows, w, row_groups, precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_pipeline_fits_shared_memory():
+    """Prefill tiles (block_m 64, bf16, block_n 128): one weight keeps 3 stages (144 KiB); gate and up together
+    need 80 KiB a stage, and 3 (240 KiB) made Triton refuse the kernel on an H200 (227 KiB): 2 stages."""
+    assert pallas_gmm.tiles_pipeline_stages(3, 64, 128, 128, 1, jnp.bfloat16) == 3
+    assert pallas_gmm.tiles_pipeline_stages(3, 64, 128, 128, 2, jnp.bfloat16) == 2
+    assert pallas_gmm.tiles_pipeline_stages(3, 64, 128, 64, 1, jnp.float32) == 3
+    assert pallas_gmm.tiles_pipeline_stages(3, 64, 128, 128, 4, jnp.float32) == 1
 
 
 def test_pallas_gradients_of_several_weights_equal_the_gather_paths():

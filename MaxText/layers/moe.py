@@ -95,7 +95,8 @@ class RoutedExperts(nn.Module):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
                                   precision=precision)
 
-        hidden = nn.silu(matmul(rows, w_gate)) * matmul(rows, w_up)  # [N*k, I]
+        gate, up = matmul(rows, (w_gate, w_up))  # [N*k, I] each (Pallas tiles: one kernel reads each row block once)
+        hidden = nn.silu(gate) * up  # [N*k, I]
         out_sorted = matmul(hidden, w_down)  # [N*k, D]
 
         # Unsort, weight and sum over each token's k experts.

@@ -11,7 +11,7 @@ Implementations:
   ragged_dot  `jax.lax.ragged_dot`. A native grouped GEMM on TPU; XLA:GPU (JAX 0.11.2) and XLA:CPU expand it into a
               dense product over every group (measured on an H200: 15-30x the time at 256 experts vs 8).
   pallas      pallas_gmm.py, a Triton grouped matmul that reads each used group's matrix once per block of rows
-              (a vector-matrix grid, K split for parallelism, for <= 64 rows).
+              (a vector-matrix grid, K split for parallelism, for <= 16 rows).
               NVIDIA GPU only, and not under a multi-device mesh (XLA cannot partition a Pallas call; the sharded
               MoE keeps ragged_dot). Differentiable through ragged_dot's backward (training: fast forward only).
   auto        on an NVIDIA GPU without a multi-device mesh: pallas (when its import and the shapes allow; else one
@@ -24,6 +24,7 @@ us, ragged_dot 287-291 / 322-350 / 843-1075 us.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -80,17 +81,23 @@ def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_d
     return _pallas_or_fallback("moe_grouped_matmul", implementation, reason, "ragged_dot", "auto, ragged_dot or gather")
 
 
-def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, row_groups: jax.Array, *,
-                   implementation: str = "auto", precision=None) -> jax.Array:
-    """See the module docstring. `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16
-    operands in one tensor-core pass and fp32 ones in 3-pass tf32."""
-    chosen = resolve(implementation, rows.dtype, rows.shape[1], weights.shape[2])
+def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
+                   implementation: str = "auto", precision=None):
+    """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
+    and up projections; returns a tuple of products: the Pallas kernel reads each row block once for all of them).
+    `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
+    and fp32 ones in 3-pass tf32."""
+    several = isinstance(weights, (tuple, list))
+    first = weights[0] if several else weights
+    chosen = resolve(implementation, rows.dtype, rows.shape[1], first.shape[2])
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        return pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups)
+        return pallas_gmm.grouped_matmul(rows, tuple(weights) if several else weights, group_sizes, row_groups)
     if chosen == "ragged_dot":
-        return jax.lax.ragged_dot(rows, weights, group_sizes, precision=precision)
-    return gather_matmul(rows, weights, row_groups, precision=precision)
+        product = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
+    else:
+        product = functools.partial(gather_matmul, row_groups=row_groups, precision=precision)
+    return tuple(product(rows, w) for w in weights) if several else product(rows, weights)
 
 
 DENSE_CHOICES = ("auto", "xla", "pallas")

@@ -36,7 +36,10 @@ from jax.experimental.pallas import triton as pltriton
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
-ROWWISE_MAX_ROWS = 64  # the `rows` grid up to this many rows, the `tiles` grid above
+# The `rows` grid up to this many rows, the `tiles` grid above. H200, 48B expert shapes, routing within 48 experts:
+# 16 rows 24 / 26 us (rows) vs 33 / 29 (tiles); 32 rows 49 / 51 vs 42 / 42; 64 rows 66 / 76 vs 57 / 55.
+ROWWISE_MAX_ROWS = 16
+SHARED_MEMORY_BYTES = 232448  # per thread block on an H200 (227 KiB): bounds the `tiles` grid's pipeline stages
 
 
 def unsupported_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | None:
@@ -134,12 +137,16 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, interpret: bool = False):
     """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
     int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple of such arrays (e.g. an MoE's
-    gate and up projections): one kernel then reads each row block once for all of them and returns a tuple of
-    products. The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core
-    pass (fp32 accumulation) and fp32 ones in 3-pass tf32 (about fp32).
+    gate and up projections; returns a tuple of products): the `tiles` grid reads each row block once for all of
+    them in one kernel (H200, 48B experts, gate + up: 32 rows 80 vs 96 us as two calls); the `rows` grid launches
+    one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of 4.4 ms per token).
+    The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core pass (fp32
+    accumulation) and fp32 ones in 3-pass tf32 (about fp32).
     block_m, block_n and split_k default to `default_tiles(M, rows.dtype)` (block_m: 16 rows, the tensor cores'
-    least, up to 1024 rows, 64 above). split_k > 1 cuts K into that many equal parts, each its own program (more
-    programs for few rows), writing float32 partial products that are then summed.
+    least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages, fewer where they
+    would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two). split_k > 1 cuts
+    K into that many equal parts, each its own program (more programs for few rows), writing float32 partial
+    products that are then summed.
 
     Differentiable: the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this kernel's forward and
     the previous default's gradients."""
@@ -147,6 +154,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("interpret", interpret))
     several = isinstance(weights, (tuple, list))
+    if several and rows.shape[0] <= rowwise_max_rows:  # the `rows` grid: one launch per weight array
+        return tuple(_grouped_matmul(rows, (w,), group_sizes, row_groups, options)[0] for w in weights)
     outs = _grouped_matmul(rows, tuple(weights) if several else (weights,), group_sizes, row_groups, options)
     return outs if several else outs[0]
 
@@ -192,6 +201,8 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
                          f"{contract} makes")
     weights = tuple(w.astype(rows.dtype) for w in weights)
+    if num_rows > rowwise_max_rows:
+        num_stages = tiles_pipeline_stages(num_stages, block_m, block_k, block_n, len(weights), rows.dtype)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
     partial_dtype = rows.dtype if split_k == 1 else jnp.float32
@@ -220,6 +231,13 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         )(group, start, end, padded, *weights)
         outs = tuple(out[:, :num_rows] for out in outs)
     return tuple(out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype) for out in outs)
+
+
+def tiles_pipeline_stages(requested: int, block_m: int, block_k: int, block_n: int, num_weights: int, dtype) -> int:
+    """At most `requested` pipeline stages of the `tiles` grid, each holding a [block_m, block_k] row block and one
+    [block_k, block_n] block per weight array, within SHARED_MEMORY_BYTES (Triton refuses the kernel otherwise)."""
+    stage_bytes = (block_m * block_k + num_weights * block_k * block_n) * jnp.dtype(dtype).itemsize
+    return max(1, min(requested, SHARED_MEMORY_BYTES // stage_bytes))
 
 
 def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_programs: int = 256) -> int:
