@@ -76,6 +76,21 @@ def test_wy_inverse_kernel_inverts_each_chunks_matrix(aligned_keys):
             np.testing.assert_allclose(inverse[h, rows], want, rtol=1e-4, atol=1e-5)
 
 
+def test_recurrence_narrows_value_blocks_for_few_sequences():
+    """One sequence of 32 heads (64 programs at 64 columns) takes 32-column blocks (measured faster on an H200); eight
+    sequences keep 64. Both widths give the naive result (the interpret tests above run the default)."""
+    from MaxText.kernels.kda import pallas_chunk
+    assert pallas_chunk.recurrence_block_v(1, 32, 128) == 32
+    assert pallas_chunk.recurrence_block_v(8, 32, 128) == 64
+    x = random_kda_inputs(np.random.default_rng(5), 1, 70, 2, 32, 128)
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_kda(**x, **kw)
+    for block_v in (32, 64):
+        o, s = pallas_ops.chunk_kda(**x, **kw, block_v=block_v, interpret=True)
+        assert_close(o, o_ref)
+        assert_close(s, s_ref)
+
+
 @pytest.mark.parametrize("head_k,head_v", [(64, 128), (128, 64)])
 def test_chunk_kda_interpret_unequal_head_dims(head_k, head_v):
     """K != V, both above one 64-column block of the `wu` kernel: its key-column and value-column programs differ.

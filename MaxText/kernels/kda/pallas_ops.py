@@ -74,12 +74,13 @@ def _pack_plan(cu_seqlens, seq_len):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None,
-              chunk_size=64, interpret=False, block_v=64, num_warps=1):
+              chunk_size=64, interpret=False, block_v=None, num_warps=1):
     """fla-style chunked KDA forward on the Pallas kernels; returns (o [B, T, H, V] in q's dtype, final state
     [N, H, K, V] float32 or None). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; bf16 or fp32.
 
     The kernel always uses 64-token chunks; `chunk_size` is accepted for the shared signature (the result does not
-    depend on it). `cu_seqlens` must be concrete (a host array), as for `chunked_kda`.
+    depend on it). `cu_seqlens` must be concrete (a host array), as for `chunked_kda`. block_v: value columns per
+    program of the serial recurrence (default `pallas_chunk.recurrence_block_v`).
     """
     del chunk_size
     if cu_seqlens is not None:
