@@ -1,12 +1,13 @@
 """KDA kernel benchmark on one GPU: ours (Pallas, and XLA) against fla-core 0.6.0 (Triton), same run, same inputs.
 
-    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla]
+    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches 64 256]
 
 Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel, fp32 state out):
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
-Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel):
+Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
+a loop over heads per program pipelined over num_stages):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -129,7 +130,7 @@ def bench_prefill(B, T, args, results):
     ref = jax.jit(lambda *a: naive.naive_recurrent_kda(*[x.astype(jnp.float32) for x in a], **kw))
     o_ref, s_ref = (np.asarray(x) for x in ref(jq, jk, jv, jg, jb))
 
-    variants = {"pallas": dict(block_v=64)}
+    variants = {"pallas": {}}  # the defaults of pallas_ops.chunk_kda
     if args.sweep:
         variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)}
     for name, opts in variants.items():
@@ -248,11 +249,15 @@ def bench_decode(B, args, results, copy_bw):
             return pool, acc
         return jax.jit(run, donate_argnums=(0,))
 
-    variants = {"pallas": (DECODE_BLOCK_V, DECODE_WARPS)}
-    if args.sweep:
-        variants = {f"pallas_bv{bv}_w{nw}": (bv, nw) for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))}
-    impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, block_v=c[0],
-                                                                 num_warps=c[1]))
+    variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
+    if args.sweep:  # block_v, warps; then a loop over heads per program, pipelined over num_stages
+        variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
+                    for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))}
+        variants.update({f"pallas_bv{bv}_w{nw}_h{hp}_s{ns}": dict(block_v=bv, num_warps=nw, heads_per_program=hp,
+                                                                   num_stages=ns)
+                         for bv, nw, hp, ns in ((64, 4, 4, 2), (64, 4, 4, 3), (64, 4, 8, 2), (32, 4, 8, 3),
+                                                (128, 8, 4, 2), (64, 2, 8, 2))})
+    impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
@@ -310,7 +315,8 @@ def bench_decode(B, args, results, copy_bw):
 
 
 def tune_prefill():
-    """Times the prefill kernels separately for launch variants (B=8, T=4096), then exits."""
+    """Times the prefill kernels separately for launch variants (B=8, T=4096), then fla's kernels on the same
+    inputs (torch.profiler), then exits."""
     from MaxText.kernels.kda import pallas_chunk
     B, T = 8, 4096
     q, k, v, g, beta = (to_jax(t).reshape(B * T, *t.shape[2:]) for t in prefill_inputs(B, T, seed=1))
@@ -349,6 +355,31 @@ def tune_prefill():
             f = lambda *a, bv=bv, w=nw, s=ns: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16, block_v=bv,  # noqa
                                                                       num_warps=w, num_stages=s)
             timed(f"recurrence rows={rows} bv={bv} warps={nw} stages={ns}", f, *seq, h0, offs)
+    guarded(fla_prefill_kernels, B, T)
+
+
+def fla_prefill_kernels(B, T, calls=5, top=12):
+    """fla's chunk_kda on the tune inputs under torch.profiler: device time per kernel and call (the per-stage
+    target for ours)."""
+    import torch
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    q, k, v, g, beta = prefill_inputs(B, T, seed=1)
+
+    def call():
+        return fla_chunk_kda(q, k, v, g, beta, scale=K ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = lambda e: getattr(e, "device_time_total", None) or e.cuda_time_total  # noqa: E731 (torch < 2.4)
+    log(f"  tune B={B} T={T} fla chunk_kda, all kernels: {sum(device_us(e) for e in events) / calls / 1e3:.3f} ms")
+    for e in sorted(events, key=device_us, reverse=True)[:top]:
+        log(f"  tune B={B} T={T} fla {e.key[:90]}: {device_us(e) / calls / 1e3:.3f} ms ({e.count // calls} per call)")
 
 
 def guarded(fn, *args, **kwargs):
@@ -369,7 +400,10 @@ def main():
     parser.add_argument("--no-jla", dest="jla", action="store_false", help="skip jax-linear-attention")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
-    parser.add_argument("--tune", action="store_true", help="time the prefill kernels separately, then exit")
+    parser.add_argument("--tune", action="store_true",
+                        help="time the prefill kernels separately and fla's (torch.profiler), then exit")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=None,
+                        help=f"decode batch sizes to time (default {DECODE_BATCHES}; --quick: the first two)")
     args = parser.parse_args()
     if args.tune:
         return tune_prefill()
@@ -388,7 +422,7 @@ def main():
         for B in ([8] if args.quick else [1, 8, 64, 256]):
             checks[f"decode_B{B}"] = c = guarded(decode_correctness, B, block_v=DECODE_BLOCK_V)
             log(f"decode check B={B}: {c}")
-        for B in (DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES):
+        for B in args.decode_batches or (DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES):
             guarded(bench_decode, B, args, decode, copy_bw)
     if not args.skip_prefill:
         for B, T in (PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES):
