@@ -84,7 +84,7 @@ def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_d
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    implementation: str = "auto", precision=None):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
-    and up projections; returns a tuple of products: the Pallas kernel reads each row block once for all of them).
+    and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32."""
     several = isinstance(weights, (tuple, list))
