@@ -337,12 +337,15 @@ def tune_prefill():
     aqk_d, akk_d = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
     for warps in (1, 2, 4):
         timed(f"scores warps={warps}", lambda *a, w=warps: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w),
-              qn, kn, G, aqk_d)
-    _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, aqk_d)
+              qn, kn, G, (aqk_d, akk_d))
+    for warps in (1, 2, 4):  # the diagonal blocks inside `scores`: replaces `diag`
+        timed(f"scores with the diagonal blocks (no diag kernel) warps={warps}",
+              lambda *a, w=warps: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w), qn, kn, G)
+    _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, (aqk_d, akk_d))
     for warps in (1, 2, 4):
         timed(f"wy_inverse warps={warps}",
-              lambda *a, w=warps: pallas_chunk.wy_inverse(*a, precise=False, num_warps=w), akk, akk_d, beta)
-    inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, precise=False))(akk, akk_d, beta)
+              lambda *a, w=warps: pallas_chunk.wy_inverse(*a, precise=False, num_warps=w), akk, beta)
+    inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, precise=False))(akk, beta)
     for warps in (2, 4, 8):
         timed(f"wu warps={warps}", lambda *a, w=warps: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w),
               qn, kn, G, v, beta, inverse)

@@ -49,7 +49,7 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
 @pytest.mark.parametrize("aligned_keys", [False, True])
 def test_wy_inverse_kernel_inverts_each_chunks_matrix(aligned_keys):
     """`wy_inverse` (diagonal 16x16 blocks by block size doubling, then the off-diagonal blocks) gives
-    (I + diag(beta) A_kk)^-1 of every chunk, A_kk assembled from the `diag` and `scores` kernels' blocks. Random
+    (I + diag(beta) A_kk)^-1 of every chunk, A_kk the blocks of `scores` (diagonal ones from `diag`). Random
     strong gates make the entries of A_kk span several orders of magnitude; nearly parallel keys without decay and
     beta ~ 1 make it close to all-ones below the diagonal (where a Neumann product of powers loses 5e-4)."""
     from MaxText.kernels.kda import pallas_chunk
@@ -61,17 +61,14 @@ def test_wy_inverse_kernel_inverts_each_chunks_matrix(aligned_keys):
     q, k, g, beta = (jnp.asarray(x[name][0]) for name in ("q", "k", "g", "beta"))  # [T = 2 chunks, H, ...]
     qn, kn, G = pallas_chunk.prepare(q, k, g, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), l2norm=True,
                                      gate=True, interpret=True)
-    aqk_d, akk_d = pallas_chunk.diag(qn, kn, G, scale=1.0, interpret=True)
-    _, akk = pallas_chunk.scores(qn, kn, G, aqk_d, scale=1.0, interpret=True)
-    inverse = np.asarray(pallas_chunk.wy_inverse(akk, akk_d, beta, precise=True, interpret=True))  # [H, T, 64]
-    sub = pallas_chunk.SUB
-    block = np.arange(64)[:, None] // sub, np.arange(64)[None, :] // sub
+    diag_blocks = pallas_chunk.diag(qn, kn, G, scale=1.0, interpret=True)
+    _, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=1.0, interpret=True)
+    inverse = np.asarray(pallas_chunk.wy_inverse(akk, beta, precise=True, interpret=True))  # [H, T, 64]
+    block = np.arange(64)[:, None] // pallas_chunk.SUB, np.arange(64)[None, :] // pallas_chunk.SUB
     for h in range(2):
         for c in range(2):
             rows = slice(64 * c, 64 * c + 64)
-            a_kk = np.where(block[1] < block[0], np.asarray(akk[h, rows]), 0.0)  # off-diagonal blocks, j < i
-            for i in range(4):
-                a_kk[sub * i:sub * i + sub, sub * i:sub * i + sub] = np.asarray(akk_d[h, 64 * c + sub * i:][:sub])
+            a_kk = np.where(block[1] <= block[0], np.asarray(akk[h, rows]), 0.0)  # blocks j <= i
             want = np.linalg.inv(np.eye(64) + np.asarray(beta[rows, h], np.float64)[:, None] * a_kk)
             np.testing.assert_allclose(inverse[h, rows], want, rtol=1e-4, atol=1e-5)
 
@@ -89,6 +86,22 @@ def test_recurrence_narrows_value_blocks_for_few_sequences():
         o, s = pallas_ops.chunk_kda(**x, **kw, block_v=block_v, interpret=True)
         assert_close(o, o_ref)
         assert_close(s, s_ref)
+
+
+def test_diagonal_blocks_inside_scores_give_the_diag_kernels_intermediates():
+    """intra(diag_in_scores=True) (the diagonal blocks computed by `scores`, no `diag` kernel; timed by
+    kda_kernels.py --tune) computes what the default does, which the chunk_kda tests check against naive. Strong
+    raw gates (decays down to e^-40 within a sub-chunk) exercise the masked exponents."""
+    from MaxText.kernels.kda import pallas_chunk
+    x = random_kda_inputs(np.random.default_rng(12), 1, 128, 2, 32, 32, raw_gate=True)
+    flat = {name: jnp.asarray(x[name][0]) for name in ("q", "k", "v", "g", "beta")}  # [T = 2 chunks, H, ...]
+    args = (flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], jnp.asarray(x["A_log"]),
+            jnp.asarray(x["dt_bias"]))
+    kw = dict(scale=32 ** -0.5, l2norm=True, gate=True, interpret=True)
+    default = pallas_chunk.intra(*args, **kw)
+    fused = pallas_chunk.intra(*args, diag_in_scores=True, **kw)
+    for a, b in zip(fused, default):  # qg, kg, w, u, A_qk, G_last
+        assert_close(a, b)
 
 
 @pytest.mark.parametrize("head_k,head_v", [(64, 128), (128, 64)])

@@ -12,7 +12,8 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
 3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as one tensor-core product each,
    factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
-   writes A_qk (scaled q) and the off-diagonal blocks of A_kk (fp32).
+   writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal ones copied from `diag`
+   (`intra(diag_in_scores=True)`: computed here instead, one key column at a time; not yet timed).
 4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: the diagonal blocks by
    block size doubling (four steps of two tensor-core products), then the off-diagonal blocks. (Scores and inverse
    in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a parallel inverse of the
@@ -150,15 +151,37 @@ def _unit_lower_inverse(n, dot):
     return inverse
 
 
-def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, aqk_ref, akk_ref, *, scale, precise, interpret):
+def _diagonal_blocks(qn_ref, kn_ref, G_ref, head, first, scale):
+    """The diagonal [16, 16] blocks of A_qk (scaled) and A_kk (strictly lower) of the sub-chunk at `first`, with
+    exact per-channel decays: one key column at a time, e^{min(G_r - G_j, 0)} (<= 1; rows r < j are masked)."""
+    rows = pl.ds(first, SUB)
+    q, k, G = qn_ref[rows, head, :].astype(F32), kn_ref[rows, head, :].astype(F32), G_ref[rows, head, :]
+    row_id, col_id = jnp.arange(SUB, dtype=jnp.int32)[:, None], jnp.arange(SUB, dtype=jnp.int32)[None, :]
+    aqk = akk = jnp.zeros((SUB, SUB), F32)
+    for j in range(SUB):
+        k_dec = kn_ref[pl.ds(first + j, 1), head, :].astype(F32) * jnp.exp(
+            jnp.minimum(G - G_ref[pl.ds(first + j, 1), head, :], 0.0))  # [16, K]
+        aqk = jnp.where(col_id == j, jnp.sum(q * k_dec, axis=1)[:, None], aqk)
+        akk = jnp.where(col_id == j, jnp.sum(k * k_dec, axis=1)[:, None], akk)
+    return jnp.where(row_id >= col_id, aqk * scale, 0.0), jnp.where(row_id > col_id, akk, 0.0)
+
+
+def _scores_kernel(qn_ref, kn_ref, G_ref, *refs, scale, precise, diag_in_kernel, interpret):
     chunk, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # i: this program's row sub-chunk
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     rows = pl.ds(t0 + SUB * i, SUB)
+    if diag_in_kernel:
+        aqk_ref, akk_ref = refs
+        aqk_d, akk_d = _diagonal_blocks(qn_ref, kn_ref, G_ref, head, t0 + SUB * i, scale)
+    else:
+        aqkd_ref, akkd_ref, aqk_ref, akk_ref = refs
+        aqk_d, akk_d = aqkd_ref[head, rows, :], akkd_ref[head, rows, :]
     for j in range(NSUB):
         @pl.when(j == i)
         def _diagonal():
-            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqkd_ref[head, rows, :].astype(aqk_ref.dtype)
+            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqk_d.astype(aqk_ref.dtype)
+            akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk_d
 
         @pl.when(j > i)
         def _above():
@@ -181,17 +204,18 @@ def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, aqk_ref, akk_ref, *, scale, 
                 akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk
 
 
-def _inverse_kernel(akk_ref, akkd_ref, beta_ref, inverse_ref, *, precise, interpret):
-    """T = (I + diag(beta) A_kk)^-1 of one chunk from [16, 16] blocks: the diagonal ones with fp32-accurate products
-    (`_unit_lower_inverse` of beta_i A_ii, from `diag`), then T_ij = -T_ii sum_{m=j}^{i-1} (beta_i A_im) T_mj
-    (A_im from `scores`); zeros above the diagonal."""
+def _inverse_kernel(akk_ref, beta_ref, inverse_ref, *, precise, interpret):
+    """T = (I + diag(beta) A_kk)^-1 of one chunk from the [16, 16] blocks of A_kk: the diagonal ones with
+    fp32-accurate products (`_unit_lower_inverse` of beta_i A_ii), then T_ij = -T_ii sum_{m=j}^{i-1} (beta_i A_im)
+    T_mj; zeros above the diagonal."""
     chunk, head = pl.program_id(0), pl.program_id(1)
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     exact = functools.partial(_dot, precise=True, interpret=interpret)
     sub_rows = [pl.ds(t0 + SUB * i, SUB) for i in range(NSUB)]
     beta = [beta_ref[rows, head].astype(F32)[:, None] for rows in sub_rows]  # [16, 1]
-    inv = {(i, i): _unit_lower_inverse(beta[i] * akkd_ref[head, rows, :], exact) for i, rows in enumerate(sub_rows)}
+    inv = {(i, i): _unit_lower_inverse(beta[i] * akk_ref[head, rows, pl.ds(SUB * i, SUB)], exact)
+           for i, rows in enumerate(sub_rows)}
     for gap in range(1, NSUB):
         for j in range(NSUB - gap):
             i = j + gap
@@ -203,27 +227,30 @@ def _inverse_kernel(akk_ref, akkd_ref, beta_ref, inverse_ref, *, precise, interp
             inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def scores(qn, kn, G, aqk_d, *, scale, num_warps=1, interpret=False):
+def scores(qn, kn, G, diag_blocks=None, *, scale, num_warps=1, interpret=False):
     """Kernel 3, one program per (chunk, head, row sub-chunk i): the [16, 16] score blocks of rows i against key
-    sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32), the
-    diagonal block from `diag`. Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and
-    the off-diagonal blocks of A_kk [H, Ttot, 64] fp32 (other entries unset: `wy_inverse` reads only j < i)."""
+    sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32) and the
+    diagonal block: `diag_blocks` = `diag`'s (aqk_d, akk_d), or None to compute it here (`_diagonal_blocks`; an
+    experiment timed by benchmarks/kda_kernels.py --tune, not yet the default). Returns A_qk [H, Ttot, 64] (scaled q,
+    in qn's dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32 (blocks j <= i; the others unset)."""
     total, H, _ = qn.shape
+    diag_in_kernel = diag_blocks is None
     return pl.pallas_call(
-        functools.partial(_scores_kernel, scale=scale, precise=qn.dtype == F32, interpret=interpret),
+        functools.partial(_scores_kernel, scale=scale, precise=qn.dtype == F32, diag_in_kernel=diag_in_kernel,
+                          interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
         grid=(total // CHUNK, H, NSUB), compiler_params=_params(num_warps), interpret=interpret,
-        name="kda_chunk_scores")(qn, kn, G, aqk_d)
+        name="kda_chunk_scores")(qn, kn, G, *(() if diag_in_kernel else diag_blocks))
 
 
-def wy_inverse(akk, akk_d, beta, *, precise, num_warps=1, interpret=False):
+def wy_inverse(akk, beta, *, precise, num_warps=1, interpret=False):
     """Kernel 4, one program per (chunk, head): T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t of its
-    chunk's 64 x 64 lower-triangular block), from the off-diagonal blocks of `scores` and the diagonal of `diag`."""
+    chunk's 64 x 64 lower-triangular block), from the blocks j <= i of `scores`' A_kk."""
     H, total, _ = akk.shape
     return pl.pallas_call(
         functools.partial(_inverse_kernel, precise=precise, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((H, total, CHUNK), F32), grid=(total // CHUNK, H),
-        compiler_params=_params(num_warps), interpret=interpret, name="kda_chunk_inverse")(akk, akk_d, beta)
+        compiler_params=_params(num_warps), interpret=interpret, name="kda_chunk_inverse")(akk, beta)
 
 
 def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
@@ -275,17 +302,18 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
 
 
 def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1, diag_heads=4, diag_warps=1,
-          wu_warps=4, interpret=False):
+          wu_warps=4, diag_in_scores=False, interpret=False):
     """Kernels 1-5: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
+    diag_in_scores: the diagonal blocks inside `scores` instead of the `diag` kernel (see `scores`).
     Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
     if q.dtype not in (F32, BF16):
         raise ValueError(f"the Pallas chunk kernels take bfloat16 or float32 q/k/v, got {q.dtype}")
     qn, kn, G = prepare(q, k, g, A_log, dt_bias, l2norm=l2norm, gate=gate, interpret=interpret)
-    aqk_d, akk_d = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
-                        interpret=interpret)
-    aqk, akk = scores(qn, kn, G, aqk_d, scale=scale, num_warps=num_warps, interpret=interpret)
-    inverse = wy_inverse(akk, akk_d, beta, precise=q.dtype == F32, num_warps=num_warps, interpret=interpret)
+    diag_blocks = None if diag_in_scores else diag(qn, kn, G, scale=scale, heads_per_program=diag_heads,
+                                                   num_warps=diag_warps, interpret=interpret)
+    aqk, akk = scores(qn, kn, G, diag_blocks, scale=scale, num_warps=num_warps, interpret=interpret)
+    inverse = wy_inverse(akk, beta, precise=q.dtype == F32, num_warps=num_warps, interpret=interpret)
     qg, kg, w, u, g_last = wu(qn, kn, G, v.astype(q.dtype), beta, inverse, scale=scale, num_warps=wu_warps,
                               interpret=interpret)
     return qg, kg, w, u, aqk, g_last
