@@ -52,15 +52,18 @@ def unsupported_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | Non
     return None
 
 
-def default_tiles(num_rows: int, dtype) -> dict[str, int]:
-    """block_m (`tiles` only), block_n and split_k by row count. Measured on an H200 at Kimi-Linear-48B's expert
-    shapes (bf16): 8 rows (batch-1 decode) 17.6-18 us with block_n 64 and two K splits (28 us with 32 / one split);
+def default_tiles(num_rows: int, dtype, k_blocks: int) -> dict[str, int]:
+    """block_m (`tiles` only), block_n and split_k by row count and K's blocks. Measured on an H200 at
+    Kimi-Linear-48B's expert shapes (bf16): 8 rows (batch-1 decode) with block_n 64, gate/up (18 K blocks) 15.7 us
+    with 6 K splits, 16.5 with 3, 17.7 with 2; down (8 K blocks) 18.1 us with 2 (28 us with block_n 32 and one split);
     64 rows 75 us with block_n 128 (rows or tiles grid; the old tiles default of 64 took 81-83 us); 512 rows 257 us
     with tiles of block_n 128 (268-279 us with 64). float32 keeps block_n 64: three pipeline stages of fp32
-    [64, 128] row and [128, 128] weight blocks would exceed an H200's 227 KiB of shared memory."""
+    [64, 128] row and [128, 128] weight blocks would exceed an H200's 227 KiB of shared memory. split_k is the
+    first of the preferred splits that divides K's blocks, else 1."""
     block_n = 128 if jnp.dtype(dtype) == jnp.bfloat16 else 64
     if num_rows <= 16:
-        return {"block_m": 16, "block_n": 64, "split_k": 2}
+        split_k = next((d for d in (6, 2) if k_blocks % d == 0), 1)
+        return {"block_m": 16, "block_n": 64, "split_k": split_k}
     return {"block_m": 16 if num_rows <= 1024 else 64, "block_n": block_n, "split_k": 1}
 
 
@@ -142,11 +145,11 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of 4.4 ms per token).
     The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core pass (fp32
     accumulation) and fp32 ones in 3-pass tf32 (about fp32).
-    block_m, block_n and split_k default to `default_tiles(M, rows.dtype)` (block_m: 16 rows, the tensor cores'
-    least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages, fewer where they
-    would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two). split_k > 1 cuts
-    K into that many equal parts, each its own program (more programs for few rows), writing float32 partial
-    products that are then summed.
+    block_m, block_n and split_k default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows, the
+    tensor cores' least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages,
+    fewer where they would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two).
+    split_k > 1 cuts K into that many equal parts, each its own program (more programs for few rows), writing
+    float32 partial products that are then summed.
 
     Differentiable: the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this kernel's forward and
     the previous default's gradients."""
@@ -191,12 +194,11 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"expected weights [E, {contract}, N] (all of one shape), group_sizes [E] and row_groups "
                          f"[{num_rows}], got {[w.shape for w in weights]}, {group_sizes.shape} and "
                          f"{row_groups.shape}")
-    defaults = default_tiles(num_rows, rows.dtype)
+    block_k = _block(contract, block_k)
+    defaults = default_tiles(num_rows, rows.dtype, contract // block_k)
     block_m = block_m or defaults["block_m"]
     block_n = _block(out_dim, block_n or defaults["block_n"])
-    block_k = _block(contract, block_k)
-    if split_k is None:  # the default where it divides K's blocks, else one split
-        split_k = defaults["split_k"] if (contract // block_k) % defaults["split_k"] == 0 else 1
+    split_k = defaults["split_k"] if split_k is None else split_k
     if split_k < 1 or (contract // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
                          f"{contract} makes")
