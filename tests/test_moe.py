@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +92,50 @@ def test_grouped_matmul_uses_each_rows_own_expert(implementation):
                          implementation=implementation, precision=jax.lax.Precision.HIGHEST)
     want = np.einsum("mk,mkn->mn", rows, weights[row_groups])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive name in a (closed) jaxpr, nested jaxprs included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
+
+
+@pytest.mark.parametrize("implementation,num_tokens,sorted_rows", [
+    ("gather", 300, False), ("ragged_dot", 2, True), ("pallas", 2, False), ("pallas", 3, True)])
+def test_rows_are_sorted_only_for_implementations_that_need_it(implementation, num_tokens, sorted_rows, monkeypatch):
+    """gather and the Pallas `rows` grid (<= 16 rows: 2 tokens x top-8) take rows in token order, so the MoE skips
+    the sort and the unsort; ragged_dot and the Pallas `tiles` grid (3 tokens: 24 rows) get sorted rows. Every
+    case gives the einsum oracle (the Pallas kernel in interpret mode)."""
+    from MaxText.kernels import grouped_matmul as gmm
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, dict(
+        emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=8, n_routing_groups=1, topk_routing_group=1,
+        moe_grouped_matmul=implementation, num_decoder_layers=1, kda_layers=[1], mla_layers=[]))
+    if implementation == "pallas":  # as on one GPU, the kernel in interpret mode
+        from MaxText.kernels.grouped_matmul import pallas_gmm
+        monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
+        monkeypatch.setattr(pallas_gmm, "grouped_matmul", functools.partial(pallas_gmm.grouped_matmul, interpret=True))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(num_tokens, 32)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(16, 8, replace=False) for _ in range(num_tokens)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(num_tokens, 8)), jnp.float32)
+    experts = RoutedExperts(config)
+    params = experts.init(jax.random.PRNGKey(0), x, weights, ids)
+    assert gmm.rows_must_be_sorted(implementation, jnp.float32, 32, 16, num_tokens * 8) == sorted_rows
+    assert ("sort" in _primitives(jax.make_jaxpr(experts.apply)(params, x, weights, ids).jaxpr)) == sorted_rows
+    with jax.default_matmul_precision("highest"):
+        got = experts.apply(params, x, weights, ids)
+        w = nn.unbox(params)["params"]
+        hidden = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, w["gate_proj"][ids])) * jnp.einsum(
+            "nd,nkdi->nki", x, w["up_proj"][ids])
+        want = jnp.einsum("nk,nki,nkid->nd", weights, hidden, w["down_proj"][ids])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def dispatch_flops(num_experts: int, top_k: int, implementation: str = "auto", num_tokens: int = 256) -> float:

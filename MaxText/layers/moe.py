@@ -9,7 +9,8 @@
 
 Dispatch is dropless and sorted: the N*k (token, expert) pairs are sorted by expert, the expert SwiGLUs run as grouped
 matmuls over the sorted rows (each row meets only its own expert's weights; `moe_grouped_matmul` picks the
-implementation: MaxText/kernels/grouped_matmul), and the rows are unsorted, weighted and summed.
+implementation: MaxText/kernels/grouped_matmul), and the rows are unsorted, weighted and summed. Where the
+implementation multiplies rows in any order (gather; Pallas at decode sizes), the pairs stay in token order: no sort.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from MaxText.kernels.grouped_matmul import grouped_matmul
+from MaxText.kernels.grouped_matmul import grouped_matmul, rows_must_be_sorted
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
 
 
@@ -64,7 +65,8 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The routed SwiGLU experts: gate_proj, up_proj [E, D, I], down_proj [E, I, D], with sorted dispatch."""
+    """The routed SwiGLU experts: gate_proj, up_proj [E, D, I], down_proj [E, I, D], with sorted dispatch (rows in
+    token order where the grouped matmul allows it: `grouped_matmul.rows_must_be_sorted`)."""
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
@@ -84,12 +86,16 @@ class RoutedExperts(nn.Module):
         w_up = expert_param("up_proj", (num_experts, dim, inner), ("exp", "embed", "mlp"))
         w_down = expert_param("down_proj", (num_experts, inner, dim), ("exp", "mlp", "embed"))
 
-        # Sort the (token, expert) pairs by expert.
-        pair_experts = expert_ids.reshape(-1)  # [N*k]
-        order = jnp.argsort(pair_experts, stable=True)  # [N*k] pair index of each sorted row
-        row_experts = pair_experts[order]  # [N*k], non-decreasing
-        rows = x.astype(dtype)[order // top_k]  # [N*k, D]
+        pair_experts = expert_ids.reshape(-1)  # [N*k], token-major
         group_sizes = jnp.bincount(pair_experts, length=num_experts).astype(jnp.int32)  # [E]
+        sort = rows_must_be_sorted(cfg.moe_grouped_matmul, dtype, dim, inner, num_tokens * top_k)
+        if sort:  # the (token, expert) pairs sorted by expert
+            order = jnp.argsort(pair_experts, stable=True)  # [N*k] pair index of each sorted row
+            row_experts = pair_experts[order]  # [N*k], non-decreasing
+            rows = x.astype(dtype)[order // top_k]  # [N*k, D]
+        else:  # in token order: each row meets its own expert's weights whatever the order
+            row_experts = pair_experts
+            rows = jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N*k, D]
 
         def matmul(lhs, w):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
@@ -97,10 +103,12 @@ class RoutedExperts(nn.Module):
 
         gate, up = matmul(rows, (w_gate, w_up))  # [N*k, I] each (Pallas tiles: one kernel reads each row block once)
         hidden = nn.silu(gate) * up  # [N*k, I]
-        out_sorted = matmul(hidden, w_down)  # [N*k, D]
+        out = matmul(hidden, w_down)  # [N*k, D]
+        if sort:
+            out = jnp.zeros_like(out).at[order].set(out)  # back to token order
 
-        # Unsort, weight and sum over each token's k experts.
-        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, dim)  # [N, k, D]
+        # Weight and sum over each token's k experts.
+        out = out.reshape(num_tokens, top_k, dim)  # [N, k, D]
         return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights,
                           precision=jax.lax.Precision.HIGHEST).astype(dtype)
 

@@ -100,6 +100,18 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     return tuple(product(rows, w) for w in weights) if several else product(rows, weights)
 
 
+def rows_must_be_sorted(implementation: str, rows_dtype, contract_dim: int, out_dim: int, num_rows: int) -> bool:
+    """Whether `grouped_matmul` needs its rows sorted by group for this call: ragged_dot and the Pallas `tiles`
+    grid do; gather and the Pallas `rows` grid (<= pallas_gmm.ROWWISE_MAX_ROWS rows, decode) multiply every row by
+    its own group's matrix in any order, so a caller may skip the sort and the unsort (a few small kernels per MoE
+    layer and step)."""
+    chosen = resolve(implementation, rows_dtype, contract_dim, out_dim)
+    if chosen == "pallas":
+        from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
+        return num_rows > pallas_gmm.ROWWISE_MAX_ROWS
+    return chosen == "ragged_dot"
+
+
 DENSE_CHOICES = ("auto", "xla", "pallas")
 # `auto`: the Pallas kernel for at most this many rows. Measured on an H200 (Kimi-Linear-48B decode steps, JAX 0.11.2):
 # batch 1 4.51 ms with it vs 6.70 ms with XLA; batch 8 9.08 vs 8.72 ms (one run of model_decode.py each way;
