@@ -57,9 +57,10 @@ SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in
          for sk in SPLITS] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
                               for bk in (64, 128) for sk in SPLITS] + [
     dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)]
-# --sweep, dense projections: pallas_gmm.dense_matmul's tile options.
+# --sweep, dense projections: pallas_gmm.dense_matmul's tile options, then its `rows` grid.
 DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128) for bn in (32, 64, 128)
-               for mp in (128, 256, 512)]
+               for mp in (128, 256, 512)] + [dict(grid="rows", block_k=bk, block_n=bn, min_programs=mp)
+                                             for bk in (64, 128) for bn in (32, 64) for mp in (256, 512)]
 
 
 def random_weights(seed: int, count: int, shape: tuple[int, ...]) -> list[jax.Array]:

@@ -195,15 +195,18 @@ def test_dense_split_k_reaches_enough_programs_or_splits_every_block(contract, o
 
 
 @pytest.mark.parametrize("num_rows", [1, 5])
-def test_pallas_dense_matmul_interpret_matches_dot(num_rows):
+@pytest.mark.parametrize("grid", ["tiles", "rows"])
+def test_pallas_dense_matmul_interpret_matches_dot(num_rows, grid):
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(num_rows, 256)), jnp.bfloat16)
     kernel = jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16)
     want = np.asarray(jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32),
                               precision=jax.lax.Precision.HIGHEST))
-    got = pallas_gmm.dense_matmul(x, kernel, interpret=True)  # 4 K splits of one block each
+    got = pallas_gmm.dense_matmul(x, kernel, grid=grid, interpret=True)  # 4 K splits of one block each
     assert got.shape == (num_rows, 128) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="grid='cols': expected 'tiles' or 'rows'"):
+        pallas_gmm.dense_matmul(x, kernel, grid="cols", interpret=True)
 
 
 def test_dense_dispatcher_choices_and_errors(monkeypatch):
