@@ -117,28 +117,25 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks):
-    w_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]  # one output per weight array
+def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n, k_blocks):
     row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
-    def body(kb, accs):
+    def body(kb, acc):
         ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
         x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
-        return tuple(acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
-                     for acc, w_ref in zip(accs, w_refs))
+        return acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
 
-    accs = lax.fori_loop(0, k_blocks, body, tuple(jnp.zeros((block_n,), jnp.float32) for _ in w_refs))
-    for acc, out_ref in zip(accs, out_refs):
-        out_ref[split, row, cols] = acc.astype(out_ref.dtype)
+    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
+    out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, interpret: bool = False):
-    """rows [M, K] sorted by group, weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
+    """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E] int32 (sum M), row_groups [M]
     int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple of such arrays (e.g. an MoE's
     gate and up projections; returns a tuple of products): the `tiles` grid reads each row block once for all of
     them in one kernel (H200, 48B experts, gate + up: 32 rows 80 vs 96 us as two calls); the `rows` grid launches
@@ -157,8 +154,6 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("interpret", interpret))
     several = isinstance(weights, (tuple, list))
-    if several and rows.shape[0] <= rowwise_max_rows:  # the `rows` grid: one launch per weight array
-        return tuple(_grouped_matmul(rows, (w,), group_sizes, row_groups, options)[0] for w in weights)
     outs = _grouped_matmul(rows, tuple(weights) if several else (weights,), group_sizes, row_groups, options)
     return outs if several else outs[0]
 
@@ -209,13 +204,13 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
     partial_dtype = rows.dtype if split_k == 1 else jnp.float32
     k_blocks = contract // block_k // split_k
-    if num_rows <= rowwise_max_rows:
-        kernel = functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks)
-        out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype)
-        outs = pl.pallas_call(kernel, out_shape=(out_shape,) * len(weights),
-                              grid=(num_rows, out_dim // block_n, split_k), compiler_params=params,
-                              interpret=interpret, name="grouped_matmul_rows")(row_groups.astype(jnp.int32), rows,
-                                                                                *weights)
+    if num_rows <= rowwise_max_rows:  # one launch per weight array (one launch for several was slower, above)
+        call = pl.pallas_call(
+            functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks),
+            out_shape=jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),
+            grid=(num_rows, out_dim // block_n, split_k), compiler_params=params, interpret=interpret,
+            name="grouped_matmul_rows")
+        outs = tuple(call(row_groups.astype(jnp.int32), rows, w) for w in weights)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
