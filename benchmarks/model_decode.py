@@ -648,7 +648,8 @@ def report(results: dict) -> str:
     pre = results.get("prefill")
     if pre:
         lines.append(f"- prefill, batch 1, {pre['prompt_len']} tokens in chunks of {pre['chunk']} "
-                     f"(moe {moe_label(pre)}): {pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s (compile {pre['compile_s']:.1f} s)")
+                     f"(moe {moe_label(pre)}): {pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s "
+                     f"(compile {pre['compile_s']:.1f} s)")
     if results.get("decode"):
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
                      f"back-to-back steps)\n")
