@@ -52,6 +52,7 @@ def main() -> int:
         if unknown:
             parser.error(f"{name}: unknown {unknown}; choose from {known}")
     meshes = {name: MESHES[name] for name in ["1 GPU", *args.meshes.split(",")]}
+    os.makedirs(args.out, exist_ok=True)  # before the first model: the report is written after every run
     jax.config.update("jax_default_matmul_precision", args.precision)
     print(f"devices: {jax.devices()} (jax {jax.__version__}), matmul precision {args.precision}", flush=True)
     rng = np.random.default_rng(0)
