@@ -6,8 +6,7 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
-Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
-a loop over heads per program pipelined over num_stages):
+Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v and warps):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -250,13 +249,9 @@ def bench_decode(B, args, results, copy_bw):
         return jax.jit(run, donate_argnums=(0,))
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    if args.sweep:  # block_v, warps; then a loop over heads per program, pipelined over num_stages
+    if args.sweep:  # block_v, warps
         variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
-                    for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))}
-        variants.update({f"pallas_bv{bv}_w{nw}_h{hp}_s{ns}": dict(block_v=bv, num_warps=nw, heads_per_program=hp,
-                                                                   num_stages=ns)
-                         for bv, nw, hp, ns in ((64, 4, 4, 2), (64, 4, 4, 3), (64, 4, 8, 2), (32, 4, 8, 3),
-                                                (128, 8, 4, 2), (64, 2, 8, 2))})
+                    for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (64, 2))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
@@ -334,21 +329,25 @@ def tune_prefill():
         timed(f"diag heads={heads} warps={warps}",
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
-    aqk_d, akk_d = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for warps in (1, 2, 4):
-        timed(f"scores warps={warps}", lambda *a, w=warps: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w),
-              qn, kn, G, (aqk_d, akk_d))
-    for warps in (1, 2, 4):  # the diagonal blocks inside `scores`: replaces `diag`
-        timed(f"scores with the diagonal blocks (no diag kernel) warps={warps}",
-              lambda *a, w=warps: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w), qn, kn, G)
-    _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, (aqk_d, akk_d))
+    diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
+    for warps, together in ((1, False), (2, False), (4, False), (1, True), (2, True)):
+        timed(f"scores warps={warps} sub_chunks_together={together}",
+              lambda *a, w=warps, t=together: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w,
+                                                                  sub_chunks_together=t), qn, kn, G, diag_blocks)
+    _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
     for warps in (1, 2, 4):
         timed(f"wy_inverse warps={warps}",
               lambda *a, w=warps: pallas_chunk.wy_inverse(*a, precise=False, num_warps=w), akk, beta)
     inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, precise=False))(akk, beta)
-    for warps in (2, 4, 8):
-        timed(f"wu warps={warps}", lambda *a, w=warps: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w),
-              qn, kn, G, v, beta, inverse)
+    wu_variants = [dict(num_warps=w) for w in (2, 4, 8)]  # the grid over column blocks, tf32 products
+    wu_variants += [dict(num_warps=w, bf16_products=True) for w in (4, 8)]
+    wu_variants += [dict(num_warps=8, columns_together=True), dict(num_warps=8, columns_together=True,
+                                                                   bf16_products=True)]
+    wu_variants += [dict(num_warps=w, loop_columns=True, num_stages=s, bf16_products=bf)  # one program per chunk
+                    for w, s, bf in ((4, 1, False), (4, 2, False), (4, 2, True), (4, 3, True), (8, 2, True))]
+    for opts in wu_variants:
+        timed("wu " + " ".join(f"{key}={value}" for key, value in opts.items()),
+              lambda *a, o=opts: pallas_chunk.wu(*a, scale=K ** -0.5, **o), qn, kn, G, v, beta, inverse)
     intermediates = jax.jit(lambda *a: pallas_chunk.intra(*a, None, None, **intra_kw))(q, k, v, g, beta)
     for rows in (B, 1):  # all rows, and the first row alone (B=1: few programs, the serial chain dominates)
         seq = [x[:, :rows * T] for x in intermediates[:5]] + [intermediates[5][:, :rows * T // 64]]
@@ -379,7 +378,8 @@ def fla_prefill_kernels(B, T, calls=5, top=12):
                 call()
             torch.cuda.synchronize()
     events = prof.key_averages()
-    device_us = lambda e: getattr(e, "device_time_total", None) or e.cuda_time_total  # noqa: E731 (torch < 2.4)
+    def device_us(event):  # torch >= 2.4 names it device_time_total, older ones cuda_time_total
+        return event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     log(f"  tune B={B} T={T} fla chunk_kda, all kernels: {sum(device_us(e) for e in events) / calls / 1e3:.3f} ms")
     for e in sorted(events, key=device_us, reverse=True)[:top]:
         log(f"  tune B={B} T={T} fla {e.key[:90]}: {device_us(e) / calls / 1e3:.3f} ms ({e.count // calls} per call)")

@@ -46,12 +46,13 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
     assert_close(s, s_ref)
 
 
-@pytest.mark.parametrize("aligned_keys", [False, True])
-def test_wy_inverse_kernel_inverts_each_chunks_matrix(aligned_keys):
-    """`wy_inverse` (diagonal 16x16 blocks by block size doubling, then the off-diagonal blocks) gives
-    (I + diag(beta) A_kk)^-1 of every chunk, A_kk the blocks of `scores` (diagonal ones from `diag`). Random
-    strong gates make the entries of A_kk span several orders of magnitude; nearly parallel keys without decay and
-    beta ~ 1 make it close to all-ones below the diagonal (where a Neumann product of powers loses 5e-4)."""
+@pytest.mark.parametrize("aligned_keys,sub_chunks_together", [(False, False), (True, False), (False, True)])
+def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(aligned_keys, sub_chunks_together):
+    """`diag` + `scores` give every chunk's A_qk = scale q k^T e^{G_i - G_j} (j <= i) and A_kk, and `wy_inverse`
+    (diagonal 16x16 blocks by block size doubling, then the off-diagonal blocks) (I + diag(beta) A_kk)^-1, both
+    computed here in float64 from the kernels' own qn, kn, G. Random strong gates make the entries span several
+    orders of magnitude; nearly parallel keys without decay and beta ~ 1 make A_kk close to all-ones below the
+    diagonal (where a Neumann product of powers loses 5e-4). sub_chunks_together: `scores` on the reversed grid."""
     from MaxText.kernels.kda import pallas_chunk
     x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32, raw_gate=True)
     if aligned_keys:
@@ -61,16 +62,55 @@ def test_wy_inverse_kernel_inverts_each_chunks_matrix(aligned_keys):
     q, k, g, beta = (jnp.asarray(x[name][0]) for name in ("q", "k", "g", "beta"))  # [T = 2 chunks, H, ...]
     qn, kn, G = pallas_chunk.prepare(q, k, g, jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]), l2norm=True,
                                      gate=True, interpret=True)
-    diag_blocks = pallas_chunk.diag(qn, kn, G, scale=1.0, interpret=True)
-    _, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=1.0, interpret=True)
-    inverse = np.asarray(pallas_chunk.wy_inverse(akk, beta, precise=True, interpret=True))  # [H, T, 64]
-    block = np.arange(64)[:, None] // pallas_chunk.SUB, np.arange(64)[None, :] // pallas_chunk.SUB
+    scale = 32 ** -0.5
+    diag_blocks = pallas_chunk.diag(qn, kn, G, scale=scale, interpret=True)
+    aqk, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=scale, sub_chunks_together=sub_chunks_together,
+                                   interpret=True)
+    inverse = pallas_chunk.wy_inverse(akk, beta, precise=True, interpret=True)  # [H, T, 64]
+    qn, kn, G = (np.asarray(a, np.float64) for a in (qn, kn, G))
     for h in range(2):
         for c in range(2):
             rows = slice(64 * c, 64 * c + 64)
-            a_kk = np.where(block[1] <= block[0], np.asarray(akk[h, rows]), 0.0)  # blocks j <= i
+            decay = np.exp(np.minimum(G[rows, h][:, None, :] - G[rows, h][None, :, :], 0.0))  # [64, 64, K], j <= i
+            below = np.tril(np.ones((64, 64)), -1)
+            a_qk = np.tril(np.einsum("ic,jc,ijc->ij", qn[rows, h], kn[rows, h], decay)) * scale
+            a_kk = np.einsum("ic,jc,ijc->ij", kn[rows, h], kn[rows, h], decay) * below
             want = np.linalg.inv(np.eye(64) + np.asarray(beta[rows, h], np.float64)[:, None] * a_kk)
-            np.testing.assert_allclose(inverse[h, rows], want, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(aqk[h, rows]), a_qk, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(inverse[h, rows]), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_k,head_v", [(128, 128), (64, 128)])
+@pytest.mark.parametrize("variant", [dict(), dict(loop_columns=True, num_stages=2), dict(bf16_products=True),
+                                     dict(loop_columns=True, bf16_products=True), dict(columns_together=True)])
+def test_wu_kernel_variants_give_w_u_and_gated_keys(head_k, head_v, variant):
+    """`wu` (the default grid over column blocks; one program per (chunk, head) looping over the blocks; bf16
+    products; the reversed grid) gives w = T (beta k e^G), u = T (beta v), qg = scale q e^G, kg = k e^{G_last - G} and G_last, computed
+    here in float64 from the same bf16 inputs. Two 64-column blocks per side (K = V = 128), and K < V, where the
+    key and value blocks differ."""
+    from MaxText.kernels.kda import pallas_chunk
+    rng = np.random.default_rng(21)
+    T, H, C = 192, 2, pallas_chunk.CHUNK  # 3 chunks, 2 column blocks: a swapped grid axis would show
+    qn, kn = (jnp.asarray(rng.standard_normal((T, H, head_k)) / 8, jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((T, H, head_v)), jnp.bfloat16)
+    G = jnp.asarray(np.cumsum(-rng.uniform(0, 0.2, (T // C, C, H, head_k)), axis=1).reshape(T, H, head_k),
+                    jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 1.0, (T, H)), jnp.bfloat16)
+    inverse = jnp.asarray(np.tril(rng.standard_normal((H, T // C, C, C)) / 4, -1) + np.eye(C),
+                          jnp.float32).reshape(H, T, C)
+    outputs = pallas_chunk.wu(qn, kn, G, v, beta, inverse, scale=0.25, interpret=True, **variant)
+    q64, k64, v64, G64, b64 = (np.asarray(x, np.float64) for x in (qn, kn, v, G, beta))
+    chunks = lambda x: x.reshape(T // C, C, H, -1).transpose(2, 0, 1, 3)  # noqa: E731  [T, H, D] -> [H, N, C, D]
+    T64 = np.asarray(inverse, np.float64).reshape(H, T // C, C, C)
+    b = b64.T.reshape(H, T // C, C, 1)
+    g_last = chunks(G64)[:, :, -1:]  # [H, N, 1, K]
+    want = (chunks(q64) * np.exp(chunks(G64)) * 0.25, chunks(k64) * np.exp(g_last - chunks(G64)),
+            T64 @ (b * chunks(k64) * np.exp(chunks(G64))), T64 @ (b * chunks(v64)))
+    tol = 1e-2 if variant.get("bf16_products") else 5e-3  # bf16 outputs; bf16 operands add one more rounding
+    for got, expected in zip(outputs[:4], want):  # qg, kg, w [H, T, K]; u [H, T, V]
+        got = np.asarray(got, np.float64).reshape(expected.shape)
+        assert np.linalg.norm(got - expected) <= tol * np.linalg.norm(expected)
+    np.testing.assert_array_equal(np.asarray(outputs[4]), g_last[:, :, 0].astype(np.float32))
 
 
 def test_recurrence_narrows_value_blocks_for_few_sequences():
@@ -86,22 +126,6 @@ def test_recurrence_narrows_value_blocks_for_few_sequences():
         o, s = pallas_ops.chunk_kda(**x, **kw, block_v=block_v, interpret=True)
         assert_close(o, o_ref)
         assert_close(s, s_ref)
-
-
-def test_diagonal_blocks_inside_scores_give_the_diag_kernels_intermediates():
-    """intra(diag_in_scores=True) (the diagonal blocks computed by `scores`, no `diag` kernel; timed by
-    kda_kernels.py --tune) computes what the default does, which the chunk_kda tests check against naive. Strong
-    raw gates (decays down to e^-40 within a sub-chunk) exercise the masked exponents."""
-    from MaxText.kernels.kda import pallas_chunk
-    x = random_kda_inputs(np.random.default_rng(12), 1, 128, 2, 32, 32, raw_gate=True)
-    flat = {name: jnp.asarray(x[name][0]) for name in ("q", "k", "v", "g", "beta")}  # [T = 2 chunks, H, ...]
-    args = (flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], jnp.asarray(x["A_log"]),
-            jnp.asarray(x["dt_bias"]))
-    kw = dict(scale=32 ** -0.5, l2norm=True, gate=True, interpret=True)
-    default = pallas_chunk.intra(*args, **kw)
-    fused = pallas_chunk.intra(*args, diag_in_scores=True, **kw)
-    for a, b in zip(fused, default):  # qg, kg, w, u, A_qk, G_last
-        assert_close(a, b)
 
 
 @pytest.mark.parametrize("head_k,head_v", [(64, 128), (128, 64)])
@@ -148,8 +172,7 @@ def _decode_inputs(rng, batch, H, K, V, S):
                 state_pool=jnp.asarray(rng.standard_normal((S, H, K, V)), f32))
 
 
-@pytest.mark.parametrize("heads_per_program,num_stages", [(1, 1), (2, 2)])  # one head per program; a head loop
-def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(heads_per_program, num_stages):
+def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows():
     H, K, V, S = 2, 32, 32, 7
     rng = np.random.default_rng(3)
     slots = jnp.asarray([4, -1, 0, 6, -1], jnp.int32)
@@ -163,8 +186,7 @@ def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(heads_
         o_ref, ref_pool = packed_decode_kda_reference(**x, state_pool=ref_pool, slot_indices=slots, num_heads=H,
                                                       head_dim=K)
         o, our_pool = pallas_ops.packed_decode_kda(**x, state_pool=our_pool, slot_indices=slots, num_heads=H,
-                                                   head_dim=K, interpret=True, block_v=16,
-                                                   heads_per_program=heads_per_program, num_stages=num_stages)
+                                                   head_dim=K, interpret=True, block_v=16)
         assert_close(o, o_ref)
         assert np.all(np.asarray(o)[[1, 4]] == 0.0), "padding rows must output zeros"
     assert_close(our_pool, ref_pool)

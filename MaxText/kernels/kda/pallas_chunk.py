@@ -12,12 +12,13 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
 3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as one tensor-core product each,
    factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
-   writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal ones copied from `diag`
-   (`intra(diag_in_scores=True)`: computed here instead, one key column at a time; not yet timed).
+   writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal ones copied from `diag` (computing
+   them here instead, one key column at a time, took 11.4 ms at B=8, T=4096 on an H200 vs 1.0 + 1.5 ms).
 4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: the diagonal blocks by
    block size doubling (four steps of two tensor-core products), then the off-diagonal blocks. (Scores and inverse
    in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a parallel inverse of the
-   diagonal blocks, vs 1.8 ms as two kernels: benchmarks/RESULTS.md.)
+   diagonal blocks, and 2.1 ms accumulating all six off-diagonal pairs over 32-channel blocks as fla-core does
+   (5.3 ms with 4 warps), vs 1.5 + 0.4 ms as two kernels: benchmarks/RESULTS.md.)
 5. `wu` -- per (chunk, head, block of 64 key / value columns): w = T (beta k e^G), u = T (beta v) ([64, 64] x
    [64, 64] products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
 6. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
@@ -53,6 +54,15 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 def _params(num_warps, num_stages=1):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch(grid, reverse):
+    """The launch grid and the kernel's program ids in `grid`'s order. Pallas's Triton lowering makes grid axis 0
+    CUDA's x, whose blocks launch first: reversed, the last axis varies fastest, so programs that share inputs
+    (the sub-chunks or column blocks of one (chunk, head)) run together and find them in L2."""
+    if not reverse:
+        return grid, lambda: tuple(pl.program_id(axis) for axis in range(len(grid)))
+    return grid[::-1], lambda: tuple(pl.program_id(axis) for axis in range(len(grid)))[::-1]
 
 
 def _prepare_kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, qn_ref, kn_ref, G_ref, *, l2norm, gate):
@@ -151,32 +161,13 @@ def _unit_lower_inverse(n, dot):
     return inverse
 
 
-def _diagonal_blocks(qn_ref, kn_ref, G_ref, head, first, scale):
-    """The diagonal [16, 16] blocks of A_qk (scaled) and A_kk (strictly lower) of the sub-chunk at `first`, with
-    exact per-channel decays: one key column at a time, e^{min(G_r - G_j, 0)} (<= 1; rows r < j are masked)."""
-    rows = pl.ds(first, SUB)
-    q, k, G = qn_ref[rows, head, :].astype(F32), kn_ref[rows, head, :].astype(F32), G_ref[rows, head, :]
-    row_id, col_id = jnp.arange(SUB, dtype=jnp.int32)[:, None], jnp.arange(SUB, dtype=jnp.int32)[None, :]
-    aqk = akk = jnp.zeros((SUB, SUB), F32)
-    for j in range(SUB):
-        k_dec = kn_ref[pl.ds(first + j, 1), head, :].astype(F32) * jnp.exp(
-            jnp.minimum(G - G_ref[pl.ds(first + j, 1), head, :], 0.0))  # [16, K]
-        aqk = jnp.where(col_id == j, jnp.sum(q * k_dec, axis=1)[:, None], aqk)
-        akk = jnp.where(col_id == j, jnp.sum(k * k_dec, axis=1)[:, None], akk)
-    return jnp.where(row_id >= col_id, aqk * scale, 0.0), jnp.where(row_id > col_id, akk, 0.0)
-
-
-def _scores_kernel(qn_ref, kn_ref, G_ref, *refs, scale, precise, diag_in_kernel, interpret):
-    chunk, head, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # i: this program's row sub-chunk
+def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, *, program_ids, scale, precise,
+                   interpret):
+    chunk, head, i = program_ids()  # i: this program's row sub-chunk
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     rows = pl.ds(t0 + SUB * i, SUB)
-    if diag_in_kernel:
-        aqk_ref, akk_ref = refs
-        aqk_d, akk_d = _diagonal_blocks(qn_ref, kn_ref, G_ref, head, t0 + SUB * i, scale)
-    else:
-        aqkd_ref, akkd_ref, aqk_ref, akk_ref = refs
-        aqk_d, akk_d = aqkd_ref[head, rows, :], akkd_ref[head, rows, :]
+    aqk_d, akk_d = aqkd_ref[head, rows, :], akkd_ref[head, rows, :]
     for j in range(NSUB):
         @pl.when(j == i)
         def _diagonal():
@@ -227,20 +218,21 @@ def _inverse_kernel(akk_ref, beta_ref, inverse_ref, *, precise, interpret):
             inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def scores(qn, kn, G, diag_blocks=None, *, scale, num_warps=1, interpret=False):
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, sub_chunks_together=False, interpret=False):
     """Kernel 3, one program per (chunk, head, row sub-chunk i): the [16, 16] score blocks of rows i against key
     sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32) and the
-    diagonal block: `diag_blocks` = `diag`'s (aqk_d, akk_d), or None to compute it here (`_diagonal_blocks`; an
-    experiment timed by benchmarks/kda_kernels.py --tune, not yet the default). Returns A_qk [H, Ttot, 64] (scaled q,
-    in qn's dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32 (blocks j <= i; the others unset)."""
+    diagonal block from `diag_blocks` = `diag`'s (aqk_d, akk_d). Returns A_qk [H, Ttot, 64] (scaled q, in qn's
+    dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32 (blocks j <= i; the others unset).
+    sub_chunks_together: launch the four programs of a (chunk, head) one after another (`_launch`; they read the
+    same key sub-chunks) instead of 16k programs apart; timed by `benchmarks/kda_kernels.py --tune`."""
     total, H, _ = qn.shape
-    diag_in_kernel = diag_blocks is None
+    grid, program_ids = _launch((total // CHUNK, H, NSUB), sub_chunks_together)
     return pl.pallas_call(
-        functools.partial(_scores_kernel, scale=scale, precise=qn.dtype == F32, diag_in_kernel=diag_in_kernel,
+        functools.partial(_scores_kernel, program_ids=program_ids, scale=scale, precise=qn.dtype == F32,
                           interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
-        grid=(total // CHUNK, H, NSUB), compiler_params=_params(num_warps), interpret=interpret,
-        name="kda_chunk_scores")(qn, kn, G, *(() if diag_in_kernel else diag_blocks))
+        grid=grid, compiler_params=_params(num_warps), interpret=interpret,
+        name="kda_chunk_scores")(qn, kn, G, *diag_blocks)
 
 
 def wy_inverse(akk, beta, *, precise, num_warps=1, interpret=False):
@@ -253,13 +245,11 @@ def wy_inverse(akk, beta, *, precise, num_warps=1, interpret=False):
         compiler_params=_params(num_warps), interpret=interpret, name="kda_chunk_inverse")(akk, beta)
 
 
-def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
-               head_k, head_v, block_cols, scale, precise, interpret):
-    chunk, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, block_cols, scale, dot):
+    """One block of `block_cols` key / value columns of `wu` for one (chunk, head): inverse [C, C] and beta [C, 1]
+    loaded by the caller (the inverse already in the products' operand dtype)."""
+    qn_ref, kn_ref, G_ref, v_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref = refs
     rows, cols = pl.ds(chunk * CHUNK, CHUNK), pl.ds(block * block_cols, block_cols)
-    dot = functools.partial(_dot, precise=precise, interpret=interpret)
-    beta = beta_ref[rows, head].astype(F32)[:, None]  # [C, 1]
-    inverse = inverse_ref[head, rows, :]  # [C, C]
 
     @pl.when(block < head_k // block_cols)
     def _key_columns():
@@ -270,48 +260,78 @@ def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_r
         qg_ref[head, rows, cols] = (qn_ref[rows, head, cols].astype(F32) * e_G * scale).astype(qg_ref.dtype)
         k = kn_ref[rows, head, cols].astype(F32)
         kg_ref[head, rows, cols] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
-        w_ref[head, rows, cols] = dot(inverse, beta * k * e_G).astype(w_ref.dtype)
+        w_ref[head, rows, cols] = dot(inverse, (beta * k * e_G).astype(inverse.dtype)).astype(w_ref.dtype)
 
     @pl.when(block < head_v // block_cols)
     def _value_columns():
-        u_ref[head, rows, cols] = dot(inverse, beta * v_ref[rows, head, cols].astype(F32)).astype(u_ref.dtype)
+        v = (beta * v_ref[rows, head, cols].astype(F32)).astype(inverse.dtype)
+        u_ref[head, rows, cols] = dot(inverse, v).astype(u_ref.dtype)
 
 
-def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, interpret=False):
+def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
+               program_ids, num_blocks, loop_columns, operand_dtype, precise, interpret, **columns):
+    chunk, head, *block = program_ids()
+    rows = pl.ds(chunk * CHUNK, CHUNK)
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    beta = beta_ref[rows, head].astype(F32)[:, None]  # [C, 1]
+    inverse = inverse_ref[head, rows, :].astype(operand_dtype)  # [C, C]
+    refs = (qn_ref, kn_ref, G_ref, v_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref)
+    if not loop_columns:
+        _wu_columns(refs, inverse, beta, chunk, head, *block, dot=dot, **columns)
+        return
+
+    def one_block(block, carry):
+        _wu_columns(refs, inverse, beta, chunk, head, block, dot=dot, **columns)
+        return carry
+
+    lax.fori_loop(0, num_blocks, one_block, 0)
+
+
+def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, loop_columns=False, bf16_products=False, num_stages=1,
+       columns_together=False, interpret=False):
     """Kernel 5, one program per (chunk, head, block of WU_BLOCK key / value columns): w = T (beta k e^G),
     u = T (beta v) ([64, 64] x [64, WU_BLOCK] products), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep
     fp32 tiles within shared memory (whole [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB).
+    Variants timed by `benchmarks/kda_kernels.py --tune`, not yet defaults: loop_columns (one program per (chunk,
+    head) reading T once and looping over the column blocks, pipelined over num_stages, as fla-core's
+    recompute_w_u does) and bf16_products (with bf16 inputs, T and the right-hand side enter the tensor cores as
+    bf16, as in fla-core, instead of tf32); columns_together (without loop_columns: the column-block programs of
+    a (chunk, head), which read the same T, launched one after another, `_launch`).
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]
     dtype = qn.dtype
     block_cols = min(WU_BLOCK, K, V)  # K, V in SUPPORTED_HEAD_DIMS (powers of two): it divides both
-    kernel = functools.partial(_wu_kernel, head_k=K, head_v=V, block_cols=block_cols, scale=scale,
-                               precise=dtype == F32, interpret=interpret)
+    num_blocks = max(K, V) // block_cols
+    grid, program_ids = _launch((total // CHUNK, H) if loop_columns else (total // CHUNK, H, num_blocks),
+                                columns_together)
+    kernel = functools.partial(
+        _wu_kernel, program_ids=program_ids, num_blocks=num_blocks, loop_columns=loop_columns,
+        operand_dtype=BF16 if bf16_products and dtype == BF16 else F32, precise=dtype == F32, interpret=interpret,
+        head_k=K, head_v=V, block_cols=block_cols, scale=scale)
     out_shape = (jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, K), dtype),
                  jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, V), dtype),
                  jax.ShapeDtypeStruct((H, total // CHUNK, K), F32))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(total // CHUNK, H, max(K, V) // block_cols),
-        compiler_params=_params(num_warps),
+        grid=grid,
+        compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="kda_chunk_wu",
     )(qn, kn, G, v, beta, inverse)
 
 
 def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1, diag_heads=4, diag_warps=1,
-          wu_warps=4, diag_in_scores=False, interpret=False):
+          wu_warps=4, interpret=False):
     """Kernels 1-5: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
-    diag_in_scores: the diagonal blocks inside `scores` instead of the `diag` kernel (see `scores`).
     Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
     if q.dtype not in (F32, BF16):
         raise ValueError(f"the Pallas chunk kernels take bfloat16 or float32 q/k/v, got {q.dtype}")
     qn, kn, G = prepare(q, k, g, A_log, dt_bias, l2norm=l2norm, gate=gate, interpret=interpret)
-    diag_blocks = None if diag_in_scores else diag(qn, kn, G, scale=scale, heads_per_program=diag_heads,
-                                                   num_warps=diag_warps, interpret=interpret)
+    diag_blocks = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
+                       interpret=interpret)
     aqk, akk = scores(qn, kn, G, diag_blocks, scale=scale, num_warps=num_warps, interpret=interpret)
     inverse = wy_inverse(akk, beta, precise=q.dtype == F32, num_warps=num_warps, interpret=interpret)
     qg, kg, w, u, g_last = wu(qn, kn, G, v.astype(q.dtype), beta, inverse, scale=scale, num_warps=wu_warps,

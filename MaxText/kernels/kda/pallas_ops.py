@@ -80,7 +80,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     The kernel always uses 64-token chunks; `chunk_size` is accepted for the shared signature (the result does not
     depend on it). `cu_seqlens` must be concrete (a host array), as for `chunked_kda`. block_v: value columns per
-    program of the serial recurrence (default `pallas_chunk.recurrence_block_v`).
+    program of the serial recurrence (default `pallas_chunk.recurrence_block_v`); num_warps: warps per program of
+    `pallas_chunk.scores` and `pallas_chunk.wy_inverse`.
     """
     del chunk_size
     if cu_seqlens is not None:
@@ -179,7 +180,7 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
                       scale: float | None = None, out_dtype=None, interpret: bool = False, block_v: int | None = None,
-                      num_warps: int = 4, heads_per_program: int = 1, num_stages: int = 1):
+                      num_warps: int = 4):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -187,8 +188,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
-    Reference semantics: `packed_decode.packed_decode_kda_reference`. heads_per_program / num_stages: see
-    `pallas_decode.decode_call`.
+    Reference semantics: `packed_decode.packed_decode_kda_reference`.
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
@@ -198,7 +198,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     block_v = min(block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
-                                     num_warps=num_warps, heads_per_program=heads_per_program, num_stages=num_stages,
+                                     num_warps=num_warps,
                                      out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), interpret=interpret)
 
 
