@@ -353,7 +353,7 @@ def tune_prefill():
         seq = [x[:, :rows * T] for x in intermediates[:5]] + [intermediates[5][:, :rows * T // 64]]
         h0 = jnp.ones((rows, H, K, V), jnp.float32)
         offs = jnp.arange(rows + 1, dtype=jnp.int32) * (T // 64)
-        for bv, nw, ns in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 4, 3), (32, 2, 2)):
+        for bv, nw, ns in ((64, 4, 3), (32, 4, 3), (16, 4, 3), (16, 2, 3), (32, 2, 3)):
             f = lambda *a, bv=bv, w=nw, s=ns: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16, block_v=bv,  # noqa
                                                                       num_warps=w, num_stages=s)
             timed(f"recurrence rows={rows} bv={bv} warps={nw} stages={ns}", f, *seq, h0, offs)
