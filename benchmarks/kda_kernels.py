@@ -1,6 +1,6 @@
 """KDA kernel benchmark on one GPU: ours (Pallas, and XLA) against fla-core 0.6.0 (Triton), same run, same inputs.
 
-    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches 64 256]
+    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches 64 256] [--tune [--ncu]]
 
 Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel, fp32 state out):
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
@@ -11,6 +11,11 @@ Decode (one token per row, in place on a state pool, gate / beta / l2norm in ker
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
   padding rows (-1) must leave the pool bit-identical and output zeros.
+
+--tune: the prefill kernels one by one with their launch variants, and fla's per kernel (torch.profiler). With
+--ncu, every launch runs untimed, twice, for Nsight Compute, e.g. `ncu --clock-control none -k regex:'kda|chunk|
+recompute|l2norm|fused_recurrent' --section SpeedOfLight --section Occupancy --section LaunchStats -o DIR/kda
+python3 benchmarks/kda_kernels.py --tune --ncu` (registers, occupancy and DRAM throughput of ours and fla's).
 
 Timing: median after warm-up. JAX: a jitted call issued back to back many times, wall clock per block after a
 device sync, median over blocks (decode: 64 steps inside one jit, per-step time = block / 64). torch:
@@ -229,9 +234,50 @@ def decode_correctness(B, block_v):
             "padding_output_zero": pad_zero, "untouched_rows": int(untouched.size)}
 
 
-def bench_decode(B, args, results, copy_bw):
+def fla_decode_step(mixed, a, b, A_log, dt_bias, pool, slots):
+    """fla's in-place decode step on our packed inputs (q, k, v split out of the packed row, contiguous: its kernel
+    wants [B, 1, H, D]). Returns (fla's pool: a torch copy of `pool`, updated in place by each step; the step)."""
     import torch
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    B = mixed.shape[0]
+    t_mixed = torch.from_dlpack(mixed)
+    q = t_mixed[:, :H * K].reshape(B, 1, H, K).contiguous()
+    k = t_mixed[:, H * K:2 * H * K].reshape(B, 1, H, K).contiguous()
+    v = t_mixed[:, 2 * H * K:].reshape(B, 1, H, V).contiguous()
+    t_a = torch.from_dlpack(a).reshape(B, 1, H, K).contiguous()
+    t_b = torch.from_dlpack(b).reshape(B, 1, H).contiguous()
+    t_alog, t_dtb = torch.from_dlpack(A_log).contiguous(), torch.from_dlpack(dt_bias).contiguous()
+    t_slots = torch.from_dlpack(slots).to(torch.int32).contiguous()
+    pool_t = torch.from_dlpack(pool).clone()
+
+    def step():
+        return fused_recurrent_kda_fwd(q, k, v, t_a, t_b, A_log=t_alog, dt_bias=t_dtb, initial_state=pool_t,
+                                       scale=K ** -0.5, inplace_final_state=True, ssm_state_indices=t_slots,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True)
+    return pool_t, step
+
+
+def ncu_decode(B):
+    """--tune --ncu: our default decode kernel twice, then fla's three times (the first autotunes), at batch B."""
+    import torch
+    key = jax.random.PRNGKey(1000 + B)
+    inputs = decode_inputs(key, B, B)
+    slots = jnp.asarray(np.random.default_rng(B).permutation(B).astype(np.int32))
+    pool = jax.random.normal(key, (B, H, K, V), jnp.float32) * 0.1
+    _, fla_step = fla_decode_step(*inputs, pool, slots)
+    step = jax.jit(lambda *x: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K), donate_argnums=(5,))
+    for _ in range(2):
+        _, pool = jax.block_until_ready(step(*inputs, pool, slots))
+    with torch.no_grad():
+        for _ in range(3):
+            fla_step()
+        torch.cuda.synchronize()
+    log(f"  ncu: ran decode B={B}: ours twice, then fla three times")
+
+
+def bench_decode(B, args, results, copy_bw):
+    import torch
     S = B
     key = jax.random.PRNGKey(1000 + B)
     mixed, a, b, A_log, dt_bias = decode_inputs(key, B, S)
@@ -268,22 +314,8 @@ def bench_decode(B, args, results, copy_bw):
         log(f"  decode B={B} {name}: {row[f'{name}_s'] * 1e6:.2f} us/step, state traffic "
             f"{row[f'{name}_state_bw'] / 1e12:.2f} TB/s ({row[f'{name}_state_bw'] / copy_bw:.0%} of copy)")
 
-    # fla, same inputs (q, k, v split out of the packed row, contiguous: its kernel wants [B, 1, H, D]).
-    t_mixed = torch.from_dlpack(mixed)
-    q = t_mixed[:, :H * K].reshape(B, 1, H, K).contiguous()
-    k = t_mixed[:, H * K:2 * H * K].reshape(B, 1, H, K).contiguous()
-    v = t_mixed[:, 2 * H * K:].reshape(B, 1, H, V).contiguous()
-    t_a = torch.from_dlpack(a).reshape(B, 1, H, K).contiguous()
-    t_b = torch.from_dlpack(b).reshape(B, 1, H).contiguous()
-    t_alog, t_dtb = torch.from_dlpack(A_log).contiguous(), torch.from_dlpack(dt_bias).contiguous()
-    t_slots = torch.from_dlpack(slots).to(torch.int32).contiguous()
-    pool_t = torch.from_dlpack(jax.random.normal(key, (S, H, K, V), jnp.float32) * 0.1).clone()
-
-    def fla_step():
-        return fused_recurrent_kda_fwd(q, k, v, t_a, t_b, A_log=t_alog, dt_bias=t_dtb, initial_state=pool_t,
-                                       scale=K ** -0.5, inplace_final_state=True, ssm_state_indices=t_slots,
-                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                       use_beta_sigmoid_in_kernel=True)
+    pool_t, fla_step = fla_decode_step(mixed, a, b, A_log, dt_bias,
+                                       jax.random.normal(key, (S, H, K, V), jnp.float32) * 0.1, slots)
     with torch.no_grad():
         before = pool_t.clone()
         o_f, _ = fla_step()
@@ -309,9 +341,11 @@ def bench_decode(B, args, results, copy_bw):
     results.append(row)
 
 
-def tune_prefill():
+def tune_prefill(ncu=False):
     """Times the prefill kernels separately for launch variants (B=8, T=4096), then fla's kernels on the same
-    inputs (torch.profiler), then exits."""
+    inputs (torch.profiler), then exits. ncu: each variant runs twice untimed (and fla's chunk_kda three times,
+    then both decode kernels: `ncu_decode`), for Nsight Compute to profile every launch; the log names the
+    launches in order."""
     from MaxText.kernels.kda import pallas_chunk
     B, T = 8, 4096
     q, k, v, g, beta = (to_jax(t).reshape(B * T, *t.shape[2:]) for t in prefill_inputs(B, T, seed=1))
@@ -319,7 +353,12 @@ def tune_prefill():
 
     def timed(name, fn, *args):
         try:
-            log(f"  tune B={B} T={T} {name}: {time_jax(jax.jit(fn), *args) * 1e3:.3f} ms")
+            if ncu:
+                for _ in range(2):
+                    jax.block_until_ready(jax.jit(fn)(*args))
+                log(f"  ncu: ran twice: {name}")
+            else:
+                log(f"  tune B={B} T={T} {name}: {time_jax(jax.jit(fn), *args) * 1e3:.3f} ms")
         except Exception as e:  # noqa: BLE001
             log(f"  tune {name} failed: {type(e).__name__}: {str(e)[:300]}")
 
@@ -357,12 +396,15 @@ def tune_prefill():
             f = lambda *a, bv=bv, w=nw, s=ns: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16, block_v=bv,  # noqa
                                                                       num_warps=w, num_stages=s)
             timed(f"recurrence rows={rows} bv={bv} warps={nw} stages={ns}", f, *seq, h0, offs)
-    guarded(fla_prefill_kernels, B, T)
+    guarded(fla_prefill_kernels, B, T, ncu=ncu)
+    if ncu:
+        for batch in (64, 256):
+            guarded(ncu_decode, batch)
 
 
-def fla_prefill_kernels(B, T, calls=5, top=12):
+def fla_prefill_kernels(B, T, calls=5, top=12, ncu=False):
     """fla's chunk_kda on the tune inputs under torch.profiler: device time per kernel and call (the per-stage
-    target for ours)."""
+    target for ours). ncu: three plain calls (the first one autotunes)."""
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
     q, k, v, g, beta = prefill_inputs(B, T, seed=1)
@@ -373,6 +415,10 @@ def fla_prefill_kernels(B, T, calls=5, top=12):
         for _ in range(3):
             call()
         torch.cuda.synchronize()
+    if ncu:
+        log(f"  ncu: ran three times: fla chunk_kda B={B} T={T}")
+        return
+    with torch.no_grad():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 call()
@@ -405,11 +451,13 @@ def main():
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--tune", action="store_true",
                         help="time the prefill kernels separately and fla's (torch.profiler), then exit")
+    parser.add_argument("--ncu", action="store_true",
+                        help="with --tune: run every kernel variant a few times untimed, for Nsight Compute")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=None,
                         help=f"decode batch sizes to time (default {DECODE_BATCHES}; --quick: the first two)")
     args = parser.parse_args()
     if args.tune:
-        return tune_prefill()
+        return tune_prefill(ncu=args.ncu)
     import torch
     import triton
     import fla
