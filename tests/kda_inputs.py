@@ -1,4 +1,5 @@
-"""Random KDA kernel inputs for tests: unit-scale q/k/v, gates with strongly negative channels, sigmoid betas."""
+"""For the KDA kernel tests: random inputs (unit-scale q/k/v, gates with strongly negative channels, sigmoid betas)
+and the closeness check relative to the output scale."""
 
 import numpy as np
 
@@ -25,3 +26,11 @@ def random_kda_inputs(rng, batch, seq_len, num_heads, head_k, head_v, *, num_sta
         g[:, ::7, -1] = -rng.uniform(5.0, 20.0, g[:, ::7, -1].shape)
         out["g"] = g
     return {name: np.asarray(value, np.float32) for name, value in out.items()}
+
+
+def assert_close(actual, expected, tol=1e-5):
+    """max |actual - expected| <= tol x max(1, max |expected|) (fp32 kernels: tol 1e-5)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = max(1.0, float(np.abs(expected).max()))
+    err = float(np.abs(actual - expected).max())
+    assert err <= tol * scale, f"max abs error {err:.3g} > {tol} x output scale {scale:.3g}"

@@ -10,16 +10,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_
 
 from MaxText.kernels import kda as kda_kernels
 from MaxText.kernels.kda import chunked_kda, naive_recurrent_kda
-from tests.kda_inputs import random_kda_inputs
-
-TOL = 1e-5  # max abs error relative to the output scale, fp32
-
-
-def assert_close(actual, expected, tol=TOL):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    scale = max(1.0, float(np.abs(expected).max()))
-    err = float(np.abs(actual - expected).max())
-    assert err <= tol * scale, f"max abs error {err:.3g} > {tol} x output scale {scale:.3g}"
+from tests.kda_inputs import assert_close, random_kda_inputs
 
 
 def run_both(inputs, **kwargs):

@@ -21,16 +21,7 @@ from MaxText.kernels.kda import pallas_ops
 from MaxText.kernels.kda.naive import naive_recurrent_kda
 from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference
 from MaxText.kernels.kda.verify import recurrent_kda_checkpoints, recurrent_kda_ring_checkpoints
-from tests.kda_inputs import random_kda_inputs
-
-TOL = 1e-5
-
-
-def assert_close(actual, expected, tol=TOL):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    scale = max(1.0, float(np.abs(expected).max()))
-    err = float(np.abs(actual - expected).max())
-    assert err <= tol * scale, f"max abs error {err:.3g} > {tol} x output scale {scale:.3g}"
+from tests.kda_inputs import assert_close, random_kda_inputs
 
 
 @pytest.mark.parametrize("batch,seq_len,raw_gate,with_state", [(2, 70, False, True), (1, 100, True, False)])
