@@ -180,7 +180,7 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
                       scale: float | None = None, out_dtype=None, interpret: bool = False, block_v: int | None = None,
-                      num_warps: int = 4):
+                      num_warps: int = 4, streaming_state: bool = False):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -188,7 +188,8 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
-    Reference semantics: `packed_decode.packed_decode_kda_reference`.
+    Reference semantics: `packed_decode.packed_decode_kda_reference`. streaming_state: see
+    `pallas_decode.decode_call`.
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
@@ -198,7 +199,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     block_v = min(block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
-                                     num_warps=num_warps,
+                                     num_warps=num_warps, streaming_state=streaming_state,
                                      out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), interpret=interpret)
 
 
