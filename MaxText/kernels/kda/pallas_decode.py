@@ -1,7 +1,8 @@
 """Pallas (Triton lowering) single-token KDA decode over a state pool, updated in place.
 
 One program per (batch row, head, block of BV value columns): it reads the row's packed conv output, computes
-l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row `slot_indices[b]`, applies
+l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row
+`slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
 and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
 its output and skips the state store (its load reads row 0 and is discarded).
@@ -74,7 +75,10 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
     v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
     # streaming_state: the state is read and written once per step; hint the caches not to keep it
     evict = dict(eviction_policy="evict_first") if streaming_state else {}
-    state = pltriton.load(pool_ref.at[safe, head, :, cols], **evict)
+    if streaming_state:
+        state = pltriton.load(pool_ref.at[safe, head, :, cols], **evict)
+    else:
+        state = pool_ref[safe, head, :, cols]
     state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
     o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
     pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape), **evict)
