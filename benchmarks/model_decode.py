@@ -278,15 +278,18 @@ def model_component(op_name: str | None, config) -> str:
 
 def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps: int, step_seconds: float,
                       top: int) -> dict[str, Any]:
-    """Per-step device time by HLO op (the `top` largest) and by model component, in ms and % of `step_seconds`."""
+    """Per-step device time by HLO op (the `top` largest) and by model component, in ms and % of `step_seconds`;
+    per component also the number of ops (kernels) per step, the count that fusing would cut."""
     per_step = {op: ns * 1e-9 / steps for op, ns in op_times.nanoseconds.items()}
 
     def op_name(op):  # keyed by HLO op, or by a kernel named after its fusion ('loop_add_fusion_2' for '...fusion.2')
         return op_names.get(op) or op_names.get(re.sub(r"_(\d+)$", r".\1", op))
 
     by_component: dict[str, float] = defaultdict(float)
+    ops_by_component: dict[str, int] = defaultdict(int)
     for op, seconds in per_step.items():
         by_component[model_component(op_name(op), config)] += seconds
+        ops_by_component[model_component(op_name(op), config)] += 1
     busy = sum(per_step.values())
 
     def row(seconds):
@@ -298,7 +301,7 @@ def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps
         "top_ops": [{"op": op, "kernel": op_times.kernels.get(op), "component": model_component(op_name(op), config),
                      "op_name": op_name(op), **row(seconds)}
                     for op, seconds in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]],
-        "components": [{"component": name, **row(seconds)}
+        "components": [{"component": name, "ops": ops_by_component[name], **row(seconds)}
                        for name, seconds in sorted(by_component.items(), key=lambda kv: -kv[1])],
     }
 
@@ -684,8 +687,9 @@ def report(results: dict) -> str:
                          f"({prof['num_ops']} ops; {prof['source']})\n")
             if prof.get("note"):
                 lines.append(f"note: {prof['note']}\n")
-            lines.append("| component | ms / step | % of step |\n|---|---|---|")
-            lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} |" for c in prof["components"]]
+            lines.append("| component | ms / step | % of step | ops / step | µs / op |\n|---|---|---|---|---|")
+            lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} | {c['ops']} | "
+                      f"{c['ms'] * 1e3 / c['ops']:.1f} |" for c in prof["components"]]
             lines.append("\n| op | component | kernel | ms / step | % of step |\n|---|---|---|---|---|")
             lines += [f"| {o['op']} | {o['component']} | {(o['kernel'] or '')[:60]} | {o['ms']:.3f} | "
                       f"{o['pct_of_step']:.1f} |" for o in prof["top_ops"]]

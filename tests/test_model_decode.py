@@ -116,4 +116,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert "error" not in profile and profile["top_ops"], profile
         components = {c["component"] for c in profile["components"]}
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
-    assert "| batch | moe | dense | TPOT ms |" in proc.stdout and "### Profile, batch 2, moe auto (gather)" in proc.stdout
+        assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
+        assert all(c["ops"] >= 1 for c in profile["components"])
+    for table_text in ("| batch | moe | dense | TPOT ms |", "| ops / step | µs / op |",
+                       "### Profile, batch 2, moe auto (gather)"):
+        assert table_text in proc.stdout
