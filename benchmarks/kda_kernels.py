@@ -372,10 +372,11 @@ def tune_prefill(ncu=False):
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
     diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for warps, together in ((1, False), (2, False), (4, False), (1, True), (2, True)):
-        timed(f"scores warps={warps} sub_chunks_together={together}",
-              lambda *a, w=warps, t=together: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w,
-                                                                  sub_chunks_together=t), qn, kn, G, diag_blocks)
+    for warps, together, block_k in ((1, False, None), (2, False, None), (1, True, None), (1, False, 32),
+                                     (2, False, 32), (1, False, 16), (2, False, 16), (1, True, 32), (2, True, 16)):
+        timed(f"scores warps={warps} sub_chunks_together={together} block_k={block_k}",
+              lambda *a, w=warps, t=together, bk=block_k: pallas_chunk.scores(
+                  *a, scale=K ** -0.5, num_warps=w, sub_chunks_together=t, block_k=bk), qn, kn, G, diag_blocks)
     _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
     for warps in (1, 2, 4):
         timed(f"wy_inverse warps={warps}",

@@ -37,13 +37,17 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
     assert_close(s, s_ref)
 
 
-@pytest.mark.parametrize("aligned_keys,sub_chunks_together", [(False, False), (True, False), (False, True)])
-def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(aligned_keys, sub_chunks_together):
+@pytest.mark.parametrize("aligned_keys,sub_chunks_together,block_k", [(False, False, None), (True, False, None),
+                                                                     (False, True, None), (False, False, 16),
+                                                                     (True, True, 16)])
+def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(aligned_keys, sub_chunks_together,
+                                                                           block_k):
     """`diag` + `scores` give every chunk's A_qk = scale q k^T e^{G_i - G_j} (j <= i) and A_kk, and `wy_inverse`
     (diagonal 16x16 blocks by block size doubling, then the off-diagonal blocks) (I + diag(beta) A_kk)^-1, both
     computed here in float64 from the kernels' own qn, kn, G. Random strong gates make the entries span several
     orders of magnitude; nearly parallel keys without decay and beta ~ 1 make A_kk close to all-ones below the
-    diagonal (where a Neumann product of powers loses 5e-4). sub_chunks_together: `scores` on the reversed grid."""
+    diagonal (where a Neumann product of powers loses 5e-4). sub_chunks_together: `scores` on the reversed grid;
+    block_k = 16 of K = 32: the pair products accumulated over two channel blocks."""
     from MaxText.kernels.kda import pallas_chunk
     x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32, raw_gate=True)
     if aligned_keys:
@@ -56,7 +60,7 @@ def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(align
     scale = 32 ** -0.5
     diag_blocks = pallas_chunk.diag(qn, kn, G, scale=scale, interpret=True)
     aqk, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=scale, sub_chunks_together=sub_chunks_together,
-                                   interpret=True)
+                                   block_k=block_k, interpret=True)
     inverse = pallas_chunk.wy_inverse(akk, beta, precise=True, interpret=True)  # [H, T, 64]
     qn, kn, G = (np.asarray(a, np.float64) for a in (qn, kn, G))
     for h in range(2):

@@ -161,8 +161,26 @@ def _unit_lower_inverse(n, dot):
     return inverse
 
 
-def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, *, program_ids, scale, precise,
-                   interpret):
+def _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols):
+    """Sub-chunk i's rows over the key channels `cols`: q_i and k_i times e^{G_i - end_{i-1}} (fp32, [16, BK]) and
+    end_{i-1} [1, BK], G at the end of sub-chunk i - 1."""
+    rows = pl.ds(t0 + SUB * i, SUB)
+    end_prev = G_ref[pl.ds(t0 + SUB * i - 1, 1), head, cols]
+    local = jnp.exp(G_ref[rows, head, cols] - end_prev)
+    return qn_ref[rows, head, cols].astype(F32) * local, kn_ref[rows, head, cols].astype(F32) * local, end_prev
+
+
+def _pair_scores(kn_ref, G_ref, head, t0, j, cols, row_operands, dot, scale):
+    """(A_qk times scale, A_kk) [16, 16] of sub-chunks i > j over the key channels `cols` (`_pair_blocks`)."""
+    q_loc, k_loc, end_prev = row_operands
+    key_rows = pl.ds(t0 + SUB * j, SUB)
+    end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, cols]  # [1, BK]
+    kr = kn_ref[key_rows, head, cols].astype(F32) * jnp.exp(end_j - G_ref[key_rows, head, cols])
+    return _pair_blocks(q_loc, k_loc, jnp.exp(end_prev - end_j), kr, dot, scale)
+
+
+def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, *, program_ids, scale, block_k,
+                   precise, interpret):
     chunk, head, i = program_ids()  # i: this program's row sub-chunk
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
@@ -180,17 +198,24 @@ def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, 
 
     @pl.when(i > 0)
     def _pairs():
-        end_prev = G_ref[pl.ds(t0 + SUB * i - 1, 1), head, :]  # [1, K] G at the end of sub-chunk i - 1
-        G = G_ref[rows, head, :]
-        local = jnp.exp(G - end_prev)
-        q_loc, k_loc = qn_ref[rows, head, :].astype(F32) * local, kn_ref[rows, head, :].astype(F32) * local
+        # block_k None: all K channels at once, the row operands shared by the pairs; else accumulated over blocks of
+        # block_k channels, [16, block_k] fp32 tiles (whole [16, 128] ones need more than 255 registers at 1-2 warps)
+        whole = None if block_k else _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, slice(None))
         for j in range(NSUB - 1):
             @pl.when(j < i)
             def _pair():
-                key_rows = pl.ds(t0 + SUB * j, SUB)
-                end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, :]  # [1, K]
-                kr = kn_ref[key_rows, head, :].astype(F32) * jnp.exp(end_j - G_ref[key_rows, head, :])
-                aqk, akk = _pair_blocks(q_loc, k_loc, jnp.exp(end_prev - end_j), kr, dot, scale)
+                if block_k is None:
+                    aqk, akk = _pair_scores(kn_ref, G_ref, head, t0, j, slice(None), whole, dot, scale)
+                else:
+                    def accumulate(kb, acc):
+                        cols = pl.ds(kb * block_k, block_k)
+                        part = _pair_scores(kn_ref, G_ref, head, t0, j, cols,
+                                            _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols), dot, 1.0)
+                        return acc[0] + part[0], acc[1] + part[1]
+
+                    zero = jnp.zeros((SUB, SUB), F32)
+                    aqk, akk = lax.fori_loop(0, qn_ref.shape[-1] // block_k, accumulate, (zero, zero))
+                    aqk = aqk * scale
                 aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqk.astype(aqk_ref.dtype)
                 akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk
 
@@ -218,18 +243,21 @@ def _inverse_kernel(akk_ref, beta_ref, inverse_ref, *, precise, interpret):
             inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
 
 
-def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, sub_chunks_together=False, interpret=False):
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, sub_chunks_together=False, block_k=None, interpret=False):
     """Kernel 3, one program per (chunk, head, row sub-chunk i): the [16, 16] score blocks of rows i against key
     sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32) and the
     diagonal block from `diag_blocks` = `diag`'s (aqk_d, akk_d). Returns A_qk [H, Ttot, 64] (scaled q, in qn's
     dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32 (blocks j <= i; the others unset).
     sub_chunks_together: launch the four programs of a (chunk, head) one after another (`_launch`; they read the
-    same key sub-chunks) instead of 16k programs apart; timed by `benchmarks/kda_kernels.py --tune`."""
-    total, H, _ = qn.shape
+    same key sub-chunks) instead of 16k programs apart; block_k: the pair products accumulated over blocks of block_k
+    key channels (fewer live registers). Both timed by `benchmarks/kda_kernels.py --tune`, not yet defaults."""
+    total, H, K = qn.shape
+    if block_k is not None and (block_k < 16 or K % block_k):
+        raise ValueError(f"block_k={block_k} must divide the key head dim K={K} and be >= 16")
     grid, program_ids = _launch((total // CHUNK, H, NSUB), sub_chunks_together)
     return pl.pallas_call(
-        functools.partial(_scores_kernel, program_ids=program_ids, scale=scale, precise=qn.dtype == F32,
-                          interpret=interpret),
+        functools.partial(_scores_kernel, program_ids=program_ids, scale=scale, block_k=block_k,
+                          precise=qn.dtype == F32, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
         grid=grid, compiler_params=_params(num_warps), interpret=interpret,
         name="kda_chunk_scores")(qn, kn, G, *diag_blocks)

@@ -1,0 +1,140 @@
+"""Registers, spills and shared memory of our Pallas (Triton) kernels for an H100/H200 (sm_90a), without a GPU.
+
+    python benchmarks/kernel_resources.py [--out DIR] [--triton-python PYTHON] [--only SUBSTRING]
+
+Each kernel variant below is lowered for CUDA on this machine (JAX's Pallas Triton lowering runs on any host) and
+its Triton IR written to DIR/<name>.ttir; then a Python with the `triton` package (`--triton-python`, default this
+one; `pip install triton` in a separate venv is enough, no GPU needed) compiles each file for sm_90a with the
+variant's warps and stages and runs the bundled `ptxas -v`. Printed: registers per thread, spill stores / loads
+(bytes per thread), shared memory, and the thread blocks per SM those allow (65,536 registers, 227 KiB, 32 blocks,
+64 warps; ignoring the register allocation granularity).
+
+A proxy: the pip Triton is not the one inside the GPU machine's jaxlib, whose code generation may differ. Use it to
+see register pressure and spills before spending device time (e.g. `scores` at whole-K tiles spills at 255
+registers; with 32-channel blocks it does not), not as a measurement of speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+H, K, V, TOKENS = 32, 128, 128, 8 * 4096  # the --tune shape of benchmarks/kda_kernels.py
+REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM = 65536, 232448, 32, 64  # sm_90
+
+COMPILE = r"""
+import os, subprocess, sys, triton
+from triton.backends.compiler import GPUTarget
+path, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+ptx = path[:-len(".ttir")] + ".ptx"
+open(ptx, "w").write(kernel.asm["ptx"])
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True).stderr
+print(f"shared={kernel.metadata.shared} triton={triton.__version__} " + " ".join(info.split()))
+"""
+
+
+def kernel_variants():
+    """name -> (num_warps, num_stages, fn, abstract args): the defaults and the variants `kda_kernels.py --tune`
+    and `--sweep` time."""
+    from MaxText.kernels.kda import pallas_chunk as pc, pallas_ops
+    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    q, G, beta = S((TOKENS, H, K), bf), S((TOKENS, H, K), f32), S((TOKENS, H), bf)
+    diag_blocks, inverse = (S((H, TOKENS, 16), f32),) * 2, S((H, TOKENS, 64), f32)
+    one_seq = [S((H, 4096, K), bf)] * 4 + [S((H, 4096, 64), bf), S((H, 64, K), f32), S((1, H, K, V), f32),
+                                           S((2,), jnp.int32)]
+    decode = (S((64, 2 * H * K + H * V), bf), S((64, H * K), bf), S((64, H), bf), S((H,), f32), S((H * K,), f32),
+              S((64, H, K, V), f32), S((64,), jnp.int32))
+    variants = {
+        "prepare": (4, 1, lambda *a: pc.prepare(*a, None, None, l2norm=True, gate=False), (q, q, G)),
+        "diag": (1, 1, lambda *a: pc.diag(*a, scale=0.1), (q, q, G)),
+        "wy_inverse": (1, 1, lambda *a: pc.wy_inverse(*a, precise=False), (inverse, beta)),
+    }
+    for warps in (1, 2):
+        for block_k in (None, 32, 16):
+            variants[f"scores w{warps} block_k={block_k}"] = (
+                warps, 1, lambda *a, w=warps, bk=block_k: pc.scores(*a, scale=0.1, num_warps=w, block_k=bk),
+                (q, q, G, diag_blocks))
+    for warps, options in ((4, {}), (8, {}), (4, dict(bf16_products=True)),
+                           (4, dict(loop_columns=True, num_stages=2, bf16_products=True))):
+        name = "wu w{} {}".format(warps, " ".join(f"{k}={v}" for k, v in options.items()))
+        variants[name.strip()] = (warps, options.get("num_stages", 1), lambda *a, w=warps, o=options: pc.wu(
+            *a, scale=0.1, num_warps=w, **o), (q, q, G, q, beta, inverse))
+    for block_v in (64, 32, 16):
+        variants[f"recurrence bv{block_v} (one sequence)"] = (4, 3, lambda *a, bv=block_v: pc.recurrence(
+            *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
+    for block_v in (128, 64, 32):
+        variants[f"packed decode bv{block_v}"] = (4, 1, lambda *a, bv=block_v: pallas_ops.packed_decode_kda(
+            *a, num_heads=H, head_dim=K, block_v=bv), decode)
+    return variants
+
+
+def triton_ir(fn, args) -> str:
+    """The Triton IR (text) of the last Pallas kernel `fn` lowers to, captured from JAX's Pallas Triton lowering."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    captured = []
+
+    def capture(*a, **kw):
+        result = lower(*a, **kw)
+        captured.append(str(result.module))
+        return result
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    jax.clear_caches()  # a cached lowering would not call it
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    if not captured:
+        raise RuntimeError("no Pallas Triton kernel was lowered")
+    return captured[-1]
+
+
+def resources(line: str, warps: int) -> dict:
+    """Parses the compile step's one-line report into numbers, with the blocks per SM they allow."""
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, line)) else 0  # noqa: E731
+    out = {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+           "spill_loads": number(r"(\d+) bytes spill loads"), "shared": number(r"shared=(\d+)")}
+    limits = [REGISTERS_PER_SM // max(1, out["registers"] * 32 * warps), MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM // warps]
+    out["blocks_per_sm"] = min(limits + ([SHARED_PER_SM // out["shared"]] if out["shared"] else []))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="kernel_resources")
+    parser.add_argument("--triton-python", default=sys.executable, help="a python with the triton package")
+    parser.add_argument("--only", default="", help="variants whose name contains this")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    print("| kernel | warps | stages | registers | spill stores / loads (B) | shared (B) | blocks / SM |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (warps, stages, fn, fn_args) in kernel_variants().items():
+        if args.only not in name:
+            continue
+        path = os.path.join(args.out, re.sub(r"[^A-Za-z0-9_.=-]+", "_", name) + ".ttir")
+        with open(path, "w") as f:
+            f.write(triton_ir(fn, fn_args))
+        done = subprocess.run([args.triton_python, "-c", COMPILE, path, str(warps), str(stages)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            print(f"| {name} | {warps} | {stages} | compile failed: {done.stderr.strip()[-200:]} | | | |")
+            continue
+        r = resources(done.stdout, warps)
+        print(f"| {name} | {warps} | {stages} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+              f"{r['shared']} | {r['blocks_per_sm']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""benchmarks/kernel_resources.py: the Triton IR capture and the ptxas report parsing (the compile step needs the
+`triton` package, which the tests do not install)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import kernel_resources  # noqa: E402
+
+
+def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
+    variants = kernel_resources.kernel_variants()
+    assert {"diag", "scores w1 block_k=32", "packed decode bv128"} <= set(variants)
+    for name in ("diag", "scores w1 block_k=32", "packed decode bv128"):
+        _, _, fn, args = variants[name]
+        ir = kernel_resources.triton_ir(fn, args)
+        assert "tt.func public @kda_" in ir and "tt.load" in ir and "tt.store" in ir, name
+    assert "tt.dot" in kernel_resources.triton_ir(*variants["scores w1 block_k=32"][2:])
+
+
+def test_ptxas_report_parsed_into_blocks_per_sm():
+    line = ("shared=8192 triton=3.5.1 ptxas info : Compiling entry function 'kda_chunk_scores' for 'sm_90a' ptxas info "
+            ": Function properties for kda_chunk_scores 440 bytes stack frame, 436 bytes spill stores, 1028 bytes spill "
+            "loads ptxas info : Used 255 registers, used 1 barriers, 440 bytes cumulative stack size")
+    r = kernel_resources.resources(line, warps=1)
+    assert (r["registers"], r["spill_stores"], r["spill_loads"], r["shared"]) == (255, 436, 1028, 8192)
+    assert r["blocks_per_sm"] == 8  # 65536 // (255 * 32) = 8 by registers; shared memory allows 28
+    assert kernel_resources.resources(line.replace("255 registers", "64 registers"), warps=1)["blocks_per_sm"] == 28
+    assert kernel_resources.resources(line.replace("255 registers", "32 registers"), warps=4)["blocks_per_sm"] == 16
