@@ -5,9 +5,11 @@
 Each kernel variant below is lowered for CUDA on this machine (JAX's Pallas Triton lowering runs on any host) and
 its Triton IR written to DIR/<name>.ttir; then a Python with the `triton` package (`--triton-python`, default this
 one; `pip install triton` in a separate venv is enough, no GPU needed) compiles each file for sm_90a with the
-variant's warps and stages and runs the bundled `ptxas -v`. Printed: registers per thread, spill stores / loads
-(bytes per thread), shared memory, and the thread blocks per SM those allow (65,536 registers, 227 KiB, 32 blocks,
-64 warps; ignoring the register allocation granularity).
+variant's warps and stages and runs the bundled `ptxas -v` and `nvdisasm`. Printed: registers per thread, spill
+stores / loads (bytes per thread), shared memory, the thread blocks per SM those allow (65,536 registers, 227 KiB, 32
+blocks, 64 warps; ignoring the register allocation granularity), and static SASS counts (instructions; global loads
+and stores, of them 128-bit ones; tensor-core MMAs; warp shuffles; MUFU.EX2). DIR keeps each .ttir, .ptx, .cubin and
+.sass.
 
 A proxy: the pip Triton is not the one inside the GPU machine's jaxlib, whose code generation may differ. Use it to
 see register pressure and spills before spending device time (e.g. `scores` at whole-K tiles spills at 255
@@ -32,15 +34,22 @@ H, K, V, TOKENS = 32, 128, 128, 8 * 4096  # the --tune shape of benchmarks/kda_k
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM = 65536, 232448, 32, 64  # sm_90
 
 COMPILE = r"""
-import os, subprocess, sys, triton
+import collections, os, re, subprocess, sys, triton
 from triton.backends.compiler import GPUTarget
 path, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-ptx = path[:-len(".ttir")] + ".ptx"
-open(ptx, "w").write(kernel.asm["ptx"])
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True).stderr
-print(f"shared={kernel.metadata.shared} triton={triton.__version__} " + " ".join(info.split()))
+stem = path[:-len(".ttir")]
+open(stem + ".ptx", "w").write(kernel.asm["ptx"])
+open(stem + ".cubin", "wb").write(kernel.asm["cubin"])
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+info = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", stem + ".ptx", "-o", os.devnull],
+                      capture_output=True, text=True).stderr
+sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", stem + ".cubin"], capture_output=True, text=True).stdout
+open(stem + ".sass", "w").write(sass)
+instruction = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+ops = collections.Counter(m.group(1) for m in instruction.finditer(sass))
+print(f"shared={kernel.metadata.shared} triton={triton.__version__} sass=" +
+      ",".join(f"{op}:{n}" for op, n in sorted(ops.items())) + " " + " ".join(info.split()))
 """
 
 
@@ -105,6 +114,14 @@ def resources(line: str, warps: int) -> dict:
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, line)) else 0  # noqa: E731
     out = {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
            "spill_loads": number(r"(\d+) bytes spill loads"), "shared": number(r"shared=(\d+)")}
+    sass = dict((op, int(n)) for op, n in re.findall(r"([A-Z][A-Z0-9_.]*):(\d+)", m.group(1))) if (
+        m := re.search(r"sass=(\S*)", line)) else {}
+    family = lambda *prefixes: sum(n for op, n in sass.items() if op.startswith(prefixes))  # noqa: E731
+    loads = {op: n for op, n in sass.items() if re.match(r"LDG(STS)?\.E", op)}  # plain and async (to shared) copies
+    out["sass"] = {"instructions": sum(sass.values()), "global_loads": sum(loads.values()),
+                   "global_loads_128": sum(n for op, n in loads.items() if ".128" in op),
+                   "global_stores": family("STG.E"), "global_stores_128": family("STG.E.128"),
+                   "mma": family("HMMA", "HGMMA"), "shuffles": family("SHFL"), "exp2": family("MUFU.EX2")}
     limits = [REGISTERS_PER_SM // max(1, out["registers"] * 32 * warps), MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM // warps]
     out["blocks_per_sm"] = min(limits + ([SHARED_PER_SM // out["shared"]] if out["shared"] else []))
     return out
@@ -117,8 +134,9 @@ def main() -> int:
     parser.add_argument("--only", default="", help="variants whose name contains this")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    print("| kernel | warps | stages | registers | spill stores / loads (B) | shared (B) | blocks / SM |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | warps | stages | registers | spill stores / loads (B) | shared (B) | blocks / SM "
+          "| SASS instructions | global loads (128-bit) | global stores (128-bit) | MMA | shuffles | MUFU.EX2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (warps, stages, fn, fn_args) in kernel_variants().items():
         if args.only not in name:
             continue
@@ -128,11 +146,14 @@ def main() -> int:
         done = subprocess.run([args.triton_python, "-c", COMPILE, path, str(warps), str(stages)],
                               capture_output=True, text=True)
         if done.returncode:
-            print(f"| {name} | {warps} | {stages} | compile failed: {done.stderr.strip()[-200:]} | | | |")
+            print(f"| {name} | {warps} | {stages} | compile failed: {done.stderr.strip()[-200:]} |" + " |" * 9)
             continue
         r = resources(done.stdout, warps)
+        c = r["sass"]
         print(f"| {name} | {warps} | {stages} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-              f"{r['shared']} | {r['blocks_per_sm']} |", flush=True)
+              f"{r['shared']} | {r['blocks_per_sm']} | {c['instructions']} | {c['global_loads']} "
+              f"({c['global_loads_128']}) | {c['global_stores']} ({c['global_stores_128']}) | {c['mma']} | "
+              f"{c['shuffles']} | {c['exp2']} |", flush=True)
     return 0
 
 

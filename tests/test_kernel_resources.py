@@ -1,5 +1,5 @@
-"""benchmarks/kernel_resources.py: the Triton IR capture and the ptxas report parsing (the compile step needs the
-`triton` package, which the tests do not install)."""
+"""benchmarks/kernel_resources.py: the Triton IR capture and the report parsing (the compile step needs the `triton`
+package, which the tests do not install)."""
 
 import os
 import sys
@@ -20,11 +20,14 @@ def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
 
 
 def test_ptxas_report_parsed_into_blocks_per_sm():
-    line = ("shared=8192 triton=3.5.1 ptxas info : Compiling entry function 'kda_chunk_scores' for 'sm_90a' ptxas info "
+    line = ("shared=8192 triton=3.5.1 sass=HGMMA.64:4,HMMA.1688.F32.TF32:64,LDG.E:3,LDG.E.128:87,LDGDEPBAR:5,"
+            "LDGSTS.E.BYPASS.128:10,MUFU.EX2:7,SHFL.IDX:2,STG.E.128:5 ptxas info : Compiling entry function 'kda_chunk_scores' for 'sm_90a' ptxas info "
             ": Function properties for kda_chunk_scores 440 bytes stack frame, 436 bytes spill stores, 1028 bytes spill "
             "loads ptxas info : Used 255 registers, used 1 barriers, 440 bytes cumulative stack size")
     r = kernel_resources.resources(line, warps=1)
     assert (r["registers"], r["spill_stores"], r["spill_loads"], r["shared"]) == (255, 436, 1028, 8192)
     assert r["blocks_per_sm"] == 8  # 65536 // (255 * 32) = 8 by registers; shared memory allows 28
+    assert r["sass"] == {"instructions": 187, "global_loads": 100, "global_loads_128": 97, "global_stores": 5,
+                         "global_stores_128": 5, "mma": 68, "shuffles": 2, "exp2": 7}  # LDGDEPBAR is no load
     assert kernel_resources.resources(line.replace("255 registers", "64 registers"), warps=1)["blocks_per_sm"] == 28
     assert kernel_resources.resources(line.replace("255 registers", "32 registers"), warps=4)["blocks_per_sm"] == 16
