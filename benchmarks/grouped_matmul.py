@@ -13,7 +13,8 @@ kernel (and, up to 64 rows, where it runs its vector-matrix `rows` grid, its `ti
 gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports the weight bytes of the experts in
 use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
 Then the MoE's gate and up products as two calls vs one fused call (a tuple of weights: each row block read once for
-both). Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
+both on the `tiles` grid; the `rows` grid launches once per array) vs, up to 16 rows, the `rows` grid in one launch
+(rows_one_launch: each program multiplies by one of the arrays). Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
 against the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
 Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count, and the dense
 kernel's (block_k, block_n, least programs), and prints the fastest. --profile lists each timed program's top
@@ -183,7 +184,8 @@ def bench_gate_up_fusion(args, rng) -> list[dict]:
     gate_up = list(zip(weights[::2], weights[1::2]))  # per layer (gate, up) [E, K, N]
     oracle_weights = [w.astype(jnp.float32) for w in gate_up[0]]
     impls = {"two calls": lambda r, w, s, g: tuple(pallas_gmm.grouped_matmul(r, x, s, g) for x in w),
-             "fused": pallas_gmm.grouped_matmul}
+             "fused": pallas_gmm.grouped_matmul,  # at <= ROWWISE_MAX_ROWS rows: one `rows` launch per array
+             "one launch": functools.partial(pallas_gmm.grouped_matmul, rows_one_launch=True)}
     out = []
     for tokens in args.tokens:
         rows, sizes, groups, used = routed_rows(rng, tokens, EMB, args.layers, args.expert_pool)
@@ -192,11 +194,11 @@ def bench_gate_up_fusion(args, rng) -> list[dict]:
         row.update(time_impls(f"gate+up tokens={tokens} rows={row['rows']}", impls, (rows, gate_up, sizes, groups),
                               wants, 2 * used * EMB * WIDTH * 2, args))
         out.append(row)
-    print("\n| gate + up | tokens | rows | two calls us | fused us | fused / two calls |")
-    print("|---|---|---|---|---|---|")
+    print("\n| gate + up | tokens | rows | two calls us | fused us | fused / two calls | rows grid, one launch us |")
+    print("|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| | {r['tokens']} | {r['rows']} | {r['two calls']['us']:.1f} | {r['fused']['us']:.1f} | "
-              f"{r['fused']['us'] / r['two calls']['us']:.2f} |")
+              f"{r['fused']['us'] / r['two calls']['us']:.2f} | {r['one launch']['us']:.1f} |")
     return out
 
 

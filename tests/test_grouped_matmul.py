@@ -115,14 +115,16 @@ def test_pallas_gradients_equal_the_gather_paths():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rowwise_max_rows", [0, 1000])  # the `tiles` grid, the `rows` grid
-def test_pallas_several_weights_in_one_kernel_match_separate_products(rowwise_max_rows):
-    """A tuple of weights (an MoE's gate and up) gives one product per array, each equal to the gather oracle."""
+@pytest.mark.parametrize("rowwise_max_rows,rows_one_launch", [(0, False), (1000, False), (1000, True)])
+def test_pallas_several_weights_in_one_kernel_match_separate_products(rowwise_max_rows, rows_one_launch):
+    """A tuple of weights (an MoE's gate and up) gives one product per array, each equal to the gather oracle: on the
+    `tiles` grid, on the `rows` grid one launch per array, and on the `rows` grid in one launch (rows_one_launch)."""
     rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 64, 48,
                                              jnp.float32, seed=6)
     up = gate[:, ::-1, :] * 0.5 + 0.1  # [E, K, N], another matrix per group
     got = pallas_gmm.grouped_matmul(rows, (gate, up), sizes, row_groups, block_k=32, split_k=2,
-                                    rowwise_max_rows=rowwise_max_rows, interpret=True)
+                                    rowwise_max_rows=rowwise_max_rows, rows_one_launch=rows_one_launch,
+                                    interpret=True)
     assert isinstance(got, tuple) and len(got) == 2
     for out, w in zip(got, (gate, up)):
         want = gather_matmul(rows, w, row_groups, precision=jax.lax.Precision.HIGHEST)

@@ -117,29 +117,42 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, w_ref, out_ref, *, block_k, block_n, k_blocks):
-    row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, split_k):
+    """refs: the weight refs, then one output ref per weight. Grid axis 2 enumerates (weight, K split): each program
+    multiplies one row by one weight array's [K / split_k, block_n] block."""
+    w_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+    row, col_block, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    split = program if len(w_refs) == 1 else program % split_k
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
-    def body(kb, acc):
-        ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
-        x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
-        return acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
+    def product(w_ref, out_ref):
+        def body(kb, acc):
+            ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
+            x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
+            return acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
 
-    acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
-    out_ref[split, row, cols] = acc.astype(out_ref.dtype)
+        acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
+        out_ref[split, row, cols] = acc.astype(out_ref.dtype)
+
+    if len(w_refs) == 1:
+        product(w_refs[0], out_refs[0])
+        return
+    for which, (w_ref, out_ref) in enumerate(zip(w_refs, out_refs)):
+        pl.when(program // split_k == which)(functools.partial(product, w_ref, out_ref))
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, interpret: bool = False):
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
-    int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple of such arrays (e.g. an MoE's
-    gate and up projections; returns a tuple of products): the `tiles` grid reads each row block once for all of
+    int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
+    of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each row block once for all of
     them in one kernel (H200, 48B experts, gate + up: 32 rows 80 vs 96 us as two calls); the `rows` grid launches
-    one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of 4.4 ms per token).
+    one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of 4.4 ms per token), or with
+    rows_one_launch one kernel whose programs each multiply by one of the arrays (a launch grid axis over (array,
+    K split); an experiment timed by benchmarks/grouped_matmul.py, not yet a default).
     The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core pass (fp32
     accumulation) and fp32 ones in 3-pass tf32 (about fp32).
     block_m, block_n and split_k default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows, the
@@ -152,7 +165,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     the previous default's gradients."""
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
-               ("interpret", interpret))
+               ("rows_one_launch", rows_one_launch), ("interpret", interpret))
     several = isinstance(weights, (tuple, list))
     outs = _grouped_matmul(rows, tuple(weights) if several else (weights,), group_sizes, row_groups, options)
     return outs if several else outs[0]
@@ -177,7 +190,7 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
-            rowwise_max_rows, interpret):
+            rowwise_max_rows, rows_one_launch, interpret):
     """weights: a tuple of [E, K, N] arrays -> a tuple of [M, N] products."""
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights[0].shape
@@ -204,13 +217,16 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
     partial_dtype = rows.dtype if split_k == 1 else jnp.float32
     k_blocks = contract // block_k // split_k
-    if num_rows <= rowwise_max_rows:  # one launch per weight array (one launch for several was slower, above)
+    if num_rows <= rowwise_max_rows:  # one launch per weight array (one program for several was slower, above)
+        per_launch = len(weights) if rows_one_launch else 1
         call = pl.pallas_call(
-            functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks),
-            out_shape=jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),
-            grid=(num_rows, out_dim // block_n, split_k), compiler_params=params, interpret=interpret,
+            functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks, split_k=split_k),
+            out_shape=(jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),) * per_launch,
+            grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
             name="grouped_matmul_rows")
-        outs = tuple(call(row_groups.astype(jnp.int32), rows, w) for w in weights)
+        groups = row_groups.astype(jnp.int32)
+        outs = (call(groups, rows, *weights) if rows_one_launch else
+                tuple(out for w in weights for out in call(groups, rows, w)))
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
