@@ -14,8 +14,9 @@ gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports 
 use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
 Then the MoE's gate and up products as two calls vs one fused call (a tuple of weights: each row block read once for
 both on the `tiles` grid; the `rows` grid launches once per array) vs, up to 16 rows, the `rows` grid in one launch
-(rows_one_launch: each program multiplies by one of the arrays). Then the dense projections of a decode step (q/k/v, o, shared expert, lm_head) at --dense-rows rows: jnp.dot
-against the same kernel with one group (pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
+(rows_one_launch: each program multiplies by one of the arrays). Then the dense projections of a decode step (q/k/v,
+o, shared expert, lm_head) at --dense-rows rows: jnp.dot against the same kernel with one group
+(pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
 Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count, and the dense
 kernel's (block_k, block_n, least programs), and prints the fastest. --profile lists each timed program's top
 device kernels (jax.profiler; XLA runs small programs as CUDA graphs, which a trace shows as one op: set

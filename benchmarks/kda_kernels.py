@@ -1,6 +1,7 @@
 """KDA kernel benchmark on one GPU: ours (Pallas, and XLA) against fla-core 0.6.0 (Triton), same run, same inputs.
 
-    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches B ...] [--tune [--ncu]]
+    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches B ...]
+                                     [--tune [--ncu]]
 
 Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel, fp32 state out):
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
@@ -172,7 +173,8 @@ def bench_prefill(B, T, args, results):
             torch.cuda.synchronize()
             blocks.append((time.perf_counter() - t) / 20)
         row["fla_wallclock_s"] = statistics.median(blocks)
-    log(f"  prefill B={B} T={T} fla: {row['fla_s'] * 1e3:.3f} ms (wall-clock blocks {row['fla_wallclock_s'] * 1e3:.3f}),"
+    log(f"  prefill B={B} T={T} fla: {row['fla_s'] * 1e3:.3f} ms "
+        f"(wall-clock blocks {row['fla_wallclock_s'] * 1e3:.3f}),"
         f" rel L2 o {row['fla_err_o']:.2e}")
 
     if args.jla:
@@ -355,13 +357,14 @@ def tune_prefill(ncu=False):
     intra_kw = dict(scale=K ** -0.5, l2norm=True, gate=False)
 
     def timed(name, fn, *args):
+        jitted = jax.jit(fn)
         try:
             if ncu:
                 for _ in range(2):
-                    jax.block_until_ready(jax.jit(fn)(*args))
+                    jax.block_until_ready(jitted(*args))
                 log(f"  ncu: ran twice: {name}")
             else:
-                log(f"  tune B={B} T={T} {name}: {time_jax(jax.jit(fn), *args) * 1e3:.3f} ms")
+                log(f"  tune B={B} T={T} {name}: {time_jax(jitted, *args) * 1e3:.3f} ms")
         except Exception as e:  # noqa: BLE001
             log(f"  tune {name} failed: {type(e).__name__}: {str(e)[:300]}")
 

@@ -288,8 +288,9 @@ def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps
     by_component: dict[str, float] = defaultdict(float)
     ops_by_component: dict[str, int] = defaultdict(int)
     for op, seconds in per_step.items():
-        by_component[model_component(op_name(op), config)] += seconds
-        ops_by_component[model_component(op_name(op), config)] += 1
+        component = model_component(op_name(op), config)
+        by_component[component] += seconds
+        ops_by_component[component] += 1
     busy = sum(per_step.values())
 
     def row(seconds):

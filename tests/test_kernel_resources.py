@@ -1,12 +1,7 @@
 """benchmarks/kernel_resources.py: the Triton IR capture and the report parsing (the compile step needs the `triton`
 package, which the tests do not install)."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import kernel_resources  # noqa: E402
+from benchmarks import kernel_resources
 
 
 def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
@@ -21,9 +16,10 @@ def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
 
 def test_ptxas_report_parsed_into_blocks_per_sm():
     line = ("shared=8192 triton=3.5.1 sass=HGMMA.64:4,HMMA.1688.F32.TF32:64,LDG.E:3,LDG.E.128:87,LDGDEPBAR:5,"
-            "LDGSTS.E.BYPASS.128:10,MUFU.EX2:7,SHFL.IDX:2,STG.E.128:5 ptxas info : Compiling entry function 'kda_chunk_scores' for 'sm_90a' ptxas info "
-            ": Function properties for kda_chunk_scores 440 bytes stack frame, 436 bytes spill stores, 1028 bytes spill "
-            "loads ptxas info : Used 255 registers, used 1 barriers, 440 bytes cumulative stack size")
+            "LDGSTS.E.BYPASS.128:10,MUFU.EX2:7,SHFL.IDX:2,STG.E.128:5 ptxas info : Compiling entry function "
+            "'kda_chunk_scores' for 'sm_90a' ptxas info : Function properties for kda_chunk_scores 440 bytes stack "
+            "frame, 436 bytes spill stores, 1028 bytes spill loads ptxas info : Used 255 registers, used 1 barriers, "
+            "440 bytes cumulative stack size")
     r = kernel_resources.resources(line, warps=1)
     assert (r["registers"], r["spill_stores"], r["spill_loads"], r["shared"]) == (255, 436, 1028, 8192)
     assert r["blocks_per_sm"] == 8  # 65536 // (255 * 32) = 8 by registers; shared memory allows 28

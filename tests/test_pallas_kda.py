@@ -80,9 +80,9 @@ def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(align
                                      dict(loop_columns=True, bf16_products=True), dict(columns_together=True)])
 def test_wu_kernel_variants_give_w_u_and_gated_keys(head_k, head_v, variant):
     """`wu` (the default grid over column blocks; one program per (chunk, head) looping over the blocks; bf16
-    products; the reversed grid) gives w = T (beta k e^G), u = T (beta v), qg = scale q e^G, kg = k e^{G_last - G} and G_last, computed
-    here in float64 from the same bf16 inputs. Two 64-column blocks per side (K = V = 128), and K < V, where the
-    key and value blocks differ."""
+    products; the reversed grid) gives w = T (beta k e^G), u = T (beta v), qg = scale q e^G, kg = k e^{G_last - G}
+    and G_last, computed here in float64 from the same bf16 inputs. Two 64-column blocks per side (K = V = 128), and
+    K < V, where the key and value blocks differ."""
     from MaxText.kernels.kda import pallas_chunk
     rng = np.random.default_rng(21)
     T, H, C = 192, 2, pallas_chunk.CHUNK  # 3 chunks, 2 column blocks: a swapped grid axis would show

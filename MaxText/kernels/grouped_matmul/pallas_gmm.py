@@ -148,9 +148,10 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
-    of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each row block once for all of
-    them in one kernel (H200, 48B experts, gate + up: 32 rows 80 vs 96 us as two calls); the `rows` grid launches
-    one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of 4.4 ms per token), or with
+    of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
+    row block once for all of them in one kernel (H200, 48B experts, gate + up: 32 rows 80 vs 96 us as two calls);
+    the `rows` grid launches one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of
+    4.4 ms per token), or with
     rows_one_launch one kernel whose programs each multiply by one of the arrays (a launch grid axis over (array,
     K split); an experiment timed by benchmarks/grouped_matmul.py, not yet a default).
     The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core pass (fp32
