@@ -50,7 +50,7 @@ H, K, V = 32, 128, 128
 PREFILL_SHAPES = [(1, 4096), (1, 16384), (1, 32768), (8, 4096)]
 DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_STEPS = 64
-DECODE_BLOCK_V, DECODE_WARPS = None, 4  # defaults of pallas_ops.packed_decode_kda (block_v: by batch)
+DECODE_BLOCK_V, DECODE_WARPS = None, None  # defaults of pallas_ops.packed_decode_kda: by batch (decode_tile)
 
 
 def log(*a):
@@ -298,11 +298,9 @@ def bench_decode(B, args, results, copy_bw):
         return jax.jit(run, donate_argnums=(0,))
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    if args.sweep:  # block_v, warps; the state's cache hints
+    if args.sweep:  # block_v, warps
         variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
-                    for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (64, 2))}
-        variants.update({f"pallas_bv{bv}_w{nw}_streaming": dict(block_v=bv, num_warps=nw, streaming_state=True)
-                         for bv, nw in ((32, 4), (64, 4), (128, 4))})
+                    for bv, nw in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (128, 4))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
@@ -375,25 +373,20 @@ def tune_prefill(ncu=False):
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
     diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for warps, together, block_k in ((1, False, None), (2, False, None), (1, True, None), (1, False, 32),
-                                     (2, False, 32), (1, False, 16), (2, False, 16), (1, True, 32), (2, True, 16)):
-        timed(f"scores warps={warps} sub_chunks_together={together} block_k={block_k}",
-              lambda *a, w=warps, t=together, bk=block_k: pallas_chunk.scores(
-                  *a, scale=K ** -0.5, num_warps=w, sub_chunks_together=t, block_k=bk), qn, kn, G, diag_blocks)
+    for warps, block_k in ((1, 32), (2, 32), (1, 16), (1, 64)):
+        timed(f"scores warps={warps} block_k={block_k}",
+              lambda *a, w=warps, bk=block_k: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w, block_k=bk),
+              qn, kn, G, diag_blocks)
     _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
-    for warps in (1, 2, 4):
-        timed(f"wy_inverse warps={warps}",
-              lambda *a, w=warps: pallas_chunk.wy_inverse(*a, precise=False, num_warps=w), akk, beta)
-    inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, precise=False))(akk, beta)
-    wu_variants = [dict(num_warps=w) for w in (2, 4, 8)]  # the grid over column blocks, tf32 products
-    wu_variants += [dict(num_warps=w, bf16_products=True) for w in (4, 8)]
-    wu_variants += [dict(num_warps=8, columns_together=True), dict(num_warps=8, columns_together=True,
-                                                                   bf16_products=True)]
-    wu_variants += [dict(num_warps=w, loop_columns=True, num_stages=s, bf16_products=bf)  # one program per chunk
-                    for w, s, bf in ((4, 1, False), (4, 2, False), (4, 2, True), (4, 3, True), (8, 2, True))]
-    for opts in wu_variants:
-        timed("wu " + " ".join(f"{key}={value}" for key, value in opts.items()),
-              lambda *a, o=opts: pallas_chunk.wu(*a, scale=K ** -0.5, **o), qn, kn, G, v, beta, inverse)
+    for warps, dtype in ((1, jnp.bfloat16), (2, jnp.bfloat16), (1, jnp.float32)):
+        timed(f"wy_inverse warps={warps} out={jnp.dtype(dtype).name}",
+              lambda *a, w=warps, d=dtype: pallas_chunk.wy_inverse(*a, dtype=d, num_warps=w), akk, beta)
+    for dtype in (jnp.bfloat16, jnp.float32):  # an fp32 T: the products in 3-pass tf32
+        inverse = jax.jit(lambda *a, d=dtype: pallas_chunk.wy_inverse(*a, dtype=d))(akk, beta)
+        for warps, stages in ((4, 2), (4, 1), (8, 2)):
+            timed(f"wu T={jnp.dtype(dtype).name} num_warps={warps} num_stages={stages}",
+                  lambda *a, w=warps, s=stages: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w, num_stages=s),
+                  qn, kn, G, v, beta, inverse)
     intermediates = jax.jit(lambda *a: pallas_chunk.intra(*a, None, None, **intra_kw))(q, k, v, g, beta)
     for rows in (B, 1):  # all rows, and the first row alone (B=1: few programs, the serial chain dominates)
         seq = [x[:, :rows * T] for x in intermediates[:5]] + [intermediates[5][:, :rows * T // 64]]

@@ -59,7 +59,7 @@ def kernel_variants():
     from MaxText.kernels.kda import pallas_chunk as pc, pallas_ops
     S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     q, G, beta = S((TOKENS, H, K), bf), S((TOKENS, H, K), f32), S((TOKENS, H), bf)
-    diag_blocks, inverse = (S((H, TOKENS, 16), f32),) * 2, S((H, TOKENS, 64), f32)
+    diag_blocks, akk = (S((H, TOKENS, 16), f32),) * 2, S((H, TOKENS, 64), f32)
     one_seq = [S((H, 4096, K), bf)] * 4 + [S((H, 4096, 64), bf), S((H, 64, K), f32), S((1, H, K, V), f32),
                                            S((2,), jnp.int32)]
     decode = (S((64, 2 * H * K + H * V), bf), S((64, H * K), bf), S((64, H), bf), S((H,), f32), S((H * K,), f32),
@@ -67,24 +67,21 @@ def kernel_variants():
     variants = {
         "prepare": (4, 1, lambda *a: pc.prepare(*a, None, None, l2norm=True, gate=False), (q, q, G)),
         "diag": (1, 1, lambda *a: pc.diag(*a, scale=0.1), (q, q, G)),
-        "wy_inverse": (1, 1, lambda *a: pc.wy_inverse(*a, precise=False), (inverse, beta)),
+        "wy_inverse": (1, 1, lambda *a: pc.wy_inverse(*a, dtype=bf), (akk, beta)),
     }
-    for warps in (1, 2):
-        for block_k in (None, 32, 16):
-            variants[f"scores w{warps} block_k={block_k}"] = (
-                warps, 1, lambda *a, w=warps, bk=block_k: pc.scores(*a, scale=0.1, num_warps=w, block_k=bk),
-                (q, q, G, diag_blocks))
-    for warps, options in ((4, {}), (8, {}), (4, dict(bf16_products=True)),
-                           (4, dict(loop_columns=True, num_stages=2, bf16_products=True))):
-        name = "wu w{} {}".format(warps, " ".join(f"{k}={v}" for k, v in options.items()))
-        variants[name.strip()] = (warps, options.get("num_stages", 1), lambda *a, w=warps, o=options: pc.wu(
-            *a, scale=0.1, num_warps=w, **o), (q, q, G, q, beta, inverse))
+    for warps, block_k in ((1, 32), (2, 32), (1, 16), (1, 64)):
+        variants[f"scores w{warps} block_k={block_k}"] = (
+            warps, 1, lambda *a, w=warps, bk=block_k: pc.scores(*a, scale=0.1, num_warps=w, block_k=bk),
+            (q, q, G, diag_blocks))
+    for warps, stages in ((4, 2), (8, 2)):
+        variants[f"wu w{warps} stages={stages}"] = (warps, stages, lambda *a, w=warps, s=stages: pc.wu(
+            *a, scale=0.1, num_warps=w, num_stages=s), (q, q, G, q, beta, S((H, TOKENS, 64), bf)))
     for block_v in (64, 32, 16):
         variants[f"recurrence bv{block_v} (one sequence)"] = (4, 3, lambda *a, bv=block_v: pc.recurrence(
             *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
-    for block_v in (128, 64, 32):
-        variants[f"packed decode bv{block_v}"] = (4, 1, lambda *a, bv=block_v: pallas_ops.packed_decode_kda(
-            *a, num_heads=H, head_dim=K, block_v=bv), decode)
+    for block_v, warps in ((128, 4), (64, 2), (64, 4), (32, 4)):
+        variants[f"packed decode bv{block_v} w{warps}"] = (warps, 1, lambda *a, bv=block_v, w=warps: (
+            pallas_ops.packed_decode_kda(*a, num_heads=H, head_dim=K, block_v=bv, num_warps=w)), decode)
     return variants
 
 

@@ -6,8 +6,8 @@ from benchmarks import kernel_resources
 
 def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
     variants = kernel_resources.kernel_variants()
-    assert {"diag", "scores w1 block_k=32", "packed decode bv128"} <= set(variants)
-    for name in ("diag", "scores w1 block_k=32", "packed decode bv128"):
+    assert {"diag", "scores w1 block_k=32", "packed decode bv64 w2"} <= set(variants)
+    for name in ("diag", "scores w1 block_k=32", "packed decode bv64 w2"):
         _, _, fn, args = variants[name]
         ir = kernel_resources.triton_ir(fn, args)
         assert "tt.func public @kda_" in ir and "tt.load" in ir and "tt.store" in ir, name

@@ -10,17 +10,19 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
 2. `diag` -- token-parallel, per (token t, block of heads): the 16x16 diagonal blocks of A_qk / A_kk (pairs inside
    one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
-3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as one tensor-core product each,
-   factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
-   writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal ones copied from `diag` (computing
-   them here instead, one key column at a time, took 11.4 ms at B=8, T=4096 on an H200 vs 1.0 + 1.5 ms).
-4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (fp32), built blockwise: the diagonal blocks by
+3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as tensor-core products
+   accumulated over 32-channel blocks, factored through the sub-chunk boundaries so that every exponent is <= 0
+   (nothing overflows for any gate); writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal
+   ones copied from `diag` (computing them here instead, one key column at a time, took 11.4 ms at B=8, T=4096 on
+   an H200 vs 1.0 + 1.5 ms).
+4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (stored in q's dtype), built blockwise: the diagonal blocks by
    block size doubling (four steps of two tensor-core products), then the off-diagonal blocks. (Scores and inverse
    in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a parallel inverse of the
    diagonal blocks, and 2.1 ms accumulating all six off-diagonal pairs over 32-channel blocks as fla-core does
    (5.3 ms with 4 warps), vs 1.5 + 0.4 ms as two kernels: benchmarks/RESULTS.md.)
-5. `wu` -- per (chunk, head, block of 64 key / value columns): w = T (beta k e^G), u = T (beta v) ([64, 64] x
-   [64, 64] products), qg = scale q e^G, kg = k e^{G_last - G}, and G_last (fp32).
+5. `wu` -- per (chunk, head), looping over blocks of 64 key / value columns: w = T (beta k e^G), u = T (beta v)
+   ([64, 64] x [64, 64] products, bf16 operands with bf16 inputs as in fla-core), qg = scale q e^G,
+   kg = k e^{G_last - G}, and G_last (fp32).
 6. `recurrence` -- one program per (value block of BV columns, head, sequence), serial over the sequence's
    chunks, state S [K, BV] fp32 in registers:
        v_new = u - w S;  o = qg S + A_qk v_new;  S = e^{G_last} S + kg^T v_new
@@ -56,12 +58,10 @@ def _params(num_warps, num_stages=1):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _launch(grid, reverse):
-    """The launch grid and the kernel's program ids in `grid`'s order. Pallas's Triton lowering makes grid axis 0
-    CUDA's x, whose blocks launch first: reversed, the last axis varies fastest, so programs that share inputs
-    (the sub-chunks or column blocks of one (chunk, head)) run together and find them in L2."""
-    if not reverse:
-        return grid, lambda: tuple(pl.program_id(axis) for axis in range(len(grid)))
+def _reversed_grid(grid):
+    """The launch grid and the kernel's program ids in `grid`'s order, reversed so that the last axis varies
+    fastest: Pallas's Triton lowering makes grid axis 0 CUDA's x, whose blocks launch first, so the programs that
+    share inputs (the sub-chunks of one (chunk, head)) run together and find them in L2."""
     return grid[::-1], lambda: tuple(pl.program_id(axis) for axis in range(len(grid)))[::-1]
 
 
@@ -198,25 +198,18 @@ def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, 
 
     @pl.when(i > 0)
     def _pairs():
-        # block_k None: all K channels at once, the row operands shared by the pairs; else accumulated over blocks of
-        # block_k channels, [16, block_k] fp32 tiles (whole [16, 128] ones need more than 255 registers at 1-2 warps)
-        whole = None if block_k else _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, slice(None))
         for j in range(NSUB - 1):
             @pl.when(j < i)
             def _pair():
-                if block_k is None:
-                    aqk, akk = _pair_scores(kn_ref, G_ref, head, t0, j, slice(None), whole, dot, scale)
-                else:
-                    def accumulate(kb, acc):
-                        cols = pl.ds(kb * block_k, block_k)
-                        part = _pair_scores(kn_ref, G_ref, head, t0, j, cols,
-                                            _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols), dot, 1.0)
-                        return acc[0] + part[0], acc[1] + part[1]
+                def accumulate(kb, acc):  # [16, block_k] fp32 tiles: whole [16, 128] ones spill at 1-2 warps
+                    cols = pl.ds(kb * block_k, block_k)
+                    part = _pair_scores(kn_ref, G_ref, head, t0, j, cols,
+                                        _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols), dot, 1.0)
+                    return acc[0] + part[0], acc[1] + part[1]
 
-                    zero = jnp.zeros((SUB, SUB), F32)
-                    aqk, akk = lax.fori_loop(0, qn_ref.shape[-1] // block_k, accumulate, (zero, zero))
-                    aqk = aqk * scale
-                aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqk.astype(aqk_ref.dtype)
+                zero = jnp.zeros((SUB, SUB), F32)
+                aqk, akk = lax.fori_loop(0, qn_ref.shape[-1] // block_k, accumulate, (zero, zero))
+                aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = (aqk * scale).astype(aqk_ref.dtype)
                 akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk
 
 
@@ -240,21 +233,22 @@ def _inverse_kernel(akk_ref, beta_ref, inverse_ref, *, precise, interpret):
     zero = jnp.zeros((SUB, SUB), F32)
     for i, rows in enumerate(sub_rows):
         for j in range(NSUB):
-            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = inv[i, j] if j <= i else zero
+            inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = (inv[i, j] if j <= i else zero).astype(inverse_ref.dtype)
 
 
-def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, sub_chunks_together=False, block_k=None, interpret=False):
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=32, interpret=False):
     """Kernel 3, one program per (chunk, head, row sub-chunk i): the [16, 16] score blocks of rows i against key
-    sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32) and the
-    diagonal block from `diag_blocks` = `diag`'s (aqk_d, akk_d). Returns A_qk [H, Ttot, 64] (scaled q, in qn's
-    dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32 (blocks j <= i; the others unset).
-    sub_chunks_together: launch the four programs of a (chunk, head) one after another (`_launch`; they read the
-    same key sub-chunks) instead of 16k programs apart; block_k: the pair products accumulated over blocks of block_k
-    key channels (fewer live registers). Both timed by `benchmarks/kda_kernels.py --tune`, not yet defaults."""
+    sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32,
+    accumulated over blocks of block_k key channels) and the diagonal block from `diag_blocks` = `diag`'s (aqk_d,
+    akk_d). The four programs of a (chunk, head), which read the same key sub-chunks, launch one after another
+    (`_reversed_grid`). Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk
+    [H, Ttot, 64] fp32 (blocks j <= i; the others unset). H200, B=8, T=4096 (benchmarks/RESULTS.md): 1.27 ms;
+    1.46 with whole-K products (255 registers, spilling) in grid order."""
     total, H, K = qn.shape
-    if block_k is not None and (block_k < 16 or K % block_k):
+    block_k = min(block_k, K)
+    if block_k < 16 or K % block_k:
         raise ValueError(f"block_k={block_k} must divide the key head dim K={K} and be >= 16")
-    grid, program_ids = _launch((total // CHUNK, H, NSUB), sub_chunks_together)
+    grid, program_ids = _reversed_grid((total // CHUNK, H, NSUB))
     return pl.pallas_call(
         functools.partial(_scores_kernel, program_ids=program_ids, scale=scale, block_k=block_k,
                           precise=qn.dtype == F32, interpret=interpret),
@@ -263,19 +257,20 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, sub_chunks_together=Fa
         name="kda_chunk_scores")(qn, kn, G, *diag_blocks)
 
 
-def wy_inverse(akk, beta, *, precise, num_warps=1, interpret=False):
-    """Kernel 4, one program per (chunk, head): T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] fp32 (row t of its
-    chunk's 64 x 64 lower-triangular block), from the blocks j <= i of `scores`' A_kk."""
+def wy_inverse(akk, beta, *, dtype, num_warps=1, interpret=False):
+    """Kernel 4, one program per (chunk, head): T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] (row t of its chunk's
+    64 x 64 lower-triangular block), from the blocks j <= i of `scores`' A_kk. dtype: the q/k/v dtype; T is
+    stored in it (`wu` multiplies bf16 inputs with bf16 operands) and with float32 every product is fp32-accurate."""
     H, total, _ = akk.shape
     return pl.pallas_call(
-        functools.partial(_inverse_kernel, precise=precise, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((H, total, CHUNK), F32), grid=(total // CHUNK, H),
+        functools.partial(_inverse_kernel, precise=dtype == F32, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((H, total, CHUNK), dtype), grid=(total // CHUNK, H),
         compiler_params=_params(num_warps), interpret=interpret, name="kda_chunk_inverse")(akk, beta)
 
 
 def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, block_cols, scale, dot):
     """One block of `block_cols` key / value columns of `wu` for one (chunk, head): inverse [C, C] and beta [C, 1]
-    loaded by the caller (the inverse already in the products' operand dtype)."""
+    loaded by the caller."""
     qn_ref, kn_ref, G_ref, v_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref = refs
     rows, cols = pl.ds(chunk * CHUNK, CHUNK), pl.ds(block * block_cols, block_cols)
 
@@ -297,16 +292,13 @@ def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, bloc
 
 
 def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
-               program_ids, num_blocks, loop_columns, operand_dtype, precise, interpret, **columns):
-    chunk, head, *block = program_ids()
+               num_blocks, precise, interpret, **columns):
+    chunk, head = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(chunk * CHUNK, CHUNK)
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     beta = beta_ref[rows, head].astype(F32)[:, None]  # [C, 1]
-    inverse = inverse_ref[head, rows, :].astype(operand_dtype)  # [C, C]
+    inverse = inverse_ref[head, rows, :]  # [C, C], in the products' operand dtype
     refs = (qn_ref, kn_ref, G_ref, v_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref)
-    if not loop_columns:
-        _wu_columns(refs, inverse, beta, chunk, head, *block, dot=dot, **columns)
-        return
 
     def one_block(block, carry):
         _wu_columns(refs, inverse, beta, chunk, head, block, dot=dot, **columns)
@@ -315,35 +307,27 @@ def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_r
     lax.fori_loop(0, num_blocks, one_block, 0)
 
 
-def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, loop_columns=False, bf16_products=False, num_stages=1,
-       columns_together=False, interpret=False):
-    """Kernel 5, one program per (chunk, head, block of WU_BLOCK key / value columns): w = T (beta k e^G),
-    u = T (beta v) ([64, 64] x [64, WU_BLOCK] products), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep
-    fp32 tiles within shared memory (whole [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB).
-    Variants timed by `benchmarks/kda_kernels.py --tune`, not yet defaults: loop_columns (one program per (chunk,
-    head) reading T once and looping over the column blocks, pipelined over num_stages, as fla-core's
-    recompute_w_u does) and bf16_products (with bf16 inputs, T and the right-hand side enter the tensor cores as
-    bf16, as in fla-core, instead of tf32); columns_together (without loop_columns: the column-block programs of
-    a (chunk, head), which read the same T, launched one after another, `_launch`).
+def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, num_stages=2, interpret=False):
+    """Kernel 5, one program per (chunk, head), reading T once and looping over blocks of WU_BLOCK key / value
+    columns (pipelined over num_stages, as fla-core's recompute_w_u): w = T (beta k e^G), u = T (beta v) ([64, 64]
+    x [64, WU_BLOCK] products with T's dtype as operands: bf16 with bf16 inputs, as in fla-core; fp32-accurate with
+    fp32), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep fp32 tiles within shared memory (whole
+    [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB). H200, B=8, T=4096 (benchmarks/RESULTS.md): 0.86 ms;
+    1.15 with a program per column block and tf32 products.
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]
     dtype = qn.dtype
     block_cols = min(WU_BLOCK, K, V)  # K, V in SUPPORTED_HEAD_DIMS (powers of two): it divides both
-    num_blocks = max(K, V) // block_cols
-    grid, program_ids = _launch((total // CHUNK, H) if loop_columns else (total // CHUNK, H, num_blocks),
-                                columns_together)
-    kernel = functools.partial(
-        _wu_kernel, program_ids=program_ids, num_blocks=num_blocks, loop_columns=loop_columns,
-        operand_dtype=BF16 if bf16_products and dtype == BF16 else F32, precise=dtype == F32, interpret=interpret,
-        head_k=K, head_v=V, block_cols=block_cols, scale=scale)
+    kernel = functools.partial(_wu_kernel, num_blocks=max(K, V) // block_cols, precise=dtype == F32,
+                               interpret=interpret, head_k=K, head_v=V, block_cols=block_cols, scale=scale)
     out_shape = (jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, K), dtype),
                  jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, V), dtype),
                  jax.ShapeDtypeStruct((H, total // CHUNK, K), F32))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=grid,
+        grid=(total // CHUNK, H),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="kda_chunk_wu",
@@ -361,7 +345,7 @@ def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1,
     diag_blocks = diag(qn, kn, G, scale=scale, heads_per_program=diag_heads, num_warps=diag_warps,
                        interpret=interpret)
     aqk, akk = scores(qn, kn, G, diag_blocks, scale=scale, num_warps=num_warps, interpret=interpret)
-    inverse = wy_inverse(akk, beta, precise=q.dtype == F32, num_warps=num_warps, interpret=interpret)
+    inverse = wy_inverse(akk, beta, dtype=q.dtype, num_warps=num_warps, interpret=interpret)
     qg, kg, w, u, g_last = wu(qn, kn, G, v.astype(q.dtype), beta, inverse, scale=scale, num_warps=wu_warps,
                               interpret=interpret)
     return qg, kg, w, u, aqk, g_last

@@ -60,8 +60,7 @@ def delta_rule_step(state, q, k, v, g, beta):
 
 
 def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit,
-                   streaming_state):
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
     row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     H, K = num_heads, head_k
     slot = slot_ref[row]
@@ -73,25 +72,17 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
         a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale,
         gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
     v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
-    # streaming_state: the state is read and written once per step; hint the caches not to keep it
-    evict = dict(eviction_policy="evict_first") if streaming_state else {}
-    if streaming_state:
-        state = pltriton.load(pool_ref.at[safe, head, :, cols], **evict)
-    else:
-        state = pool_ref[safe, head, :, cols]
+    state = pool_ref[safe, head, :, cols]
     state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
     o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-    pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape), **evict)
+    pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                streaming_state=False, out_dtype=None, interpret=False):
+                out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
-
-    streaming_state: evict-first hints on the state's load and store (an experiment timed by
-    `benchmarks/kda_kernels.py --sweep`, not yet a default; JAX 0.10's Triton lowering rejects every cache modifier).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
@@ -102,7 +93,7 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
     kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v,
-                               scale=scale, streaming_state=streaming_state, gate_in_kernel=gate_in_kernel,
+                               scale=scale, gate_in_kernel=gate_in_kernel,
                                l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
     return pl.pallas_call(
         kernel,
@@ -118,6 +109,6 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "streaming_state", "out_dtype",
+                                       "beta_logit", "block_v", "num_warps", "out_dtype",
                                        "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."
