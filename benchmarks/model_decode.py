@@ -25,7 +25,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
            The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
-           as in a device-side loop); `synced` = median of --synced-steps steps each waited for (adds dispatch).
+           as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
+           meet); `synced` = median of --synced-steps steps each waited for (adds dispatch).
            The step also counts the distinct experts each MoE layer's router chose (captured Router outputs), and
            the roofline uses those counts. (Engine's decode runs all steps in one while_loop, which gives neither a
            per-step time nor a one-step profile; this step is Engine's step_fn as a program of its own.)
@@ -540,12 +541,13 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
     for _ in range(args.warmup):
         tokens, _, cache = step(setup.params, cache, tokens)
     jax.block_until_ready((tokens, cache))
-    blocks, distinct = [], []
+    blocks, issued, distinct = [], [], []
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
         start = time.perf_counter()
         for _ in range(args.steps):
             tokens, counts, cache = step(setup.params, cache, tokens)
             distinct.append(counts)
+        issued.append((time.perf_counter() - start) / args.steps)  # host time to issue a step
         jax.block_until_ready((tokens, cache))
         blocks.append((time.perf_counter() - start) / args.steps)
     synced = []
@@ -560,7 +562,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
            "dense_impl": dense_implementation(config, setup.mesh, batch), "context": args.prompt_len,
            "cache": "prefill" if prefilled is not None else "synthetic", "compile_s": compile_s,
            "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
-           "block_ms": [b * 1e3 for b in blocks], "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
+           "block_ms": [b * 1e3 for b in blocks], "dispatch_ms": statistics.median(issued) * 1e3,
+           "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
            "distinct_experts_per_layer": per_layer.tolist(),
            "distinct_experts_mean": float(per_layer.mean()) if per_layer.size else 0.0,
            "distinct_experts_uniform": uniform}
@@ -573,7 +576,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
             / bandwidth * 1e3
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['tpot_over_roofline']:.2f})" if copy_bw else ""
     log(f"decode B={batch} moe={moe}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
-        f"synced step {row['synced_step_ms'] or 0:.3f} ms; distinct experts/layer {row['distinct_experts_mean']:.1f} "
+        f"host dispatch {row['dispatch_ms']:.3f} ms per step; synced step {row['synced_step_ms'] or 0:.3f} ms; "
+        f"distinct experts/layer {row['distinct_experts_mean']:.1f} "
         f"(uniform {uniform:.1f}){memory_note()}")
     if row["distinct_experts_mean"] < 0.8 * uniform:
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
@@ -657,13 +661,13 @@ def report(results: dict) -> str:
     if results.get("decode"):
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
                      f"back-to-back steps)\n")
-        lines.append("| batch | moe | dense | TPOT ms | tokens/s | roofline ms | TPOT / roofline | synced step ms | "
-                     "distinct experts / layer (uniform) | GB / step | compile s |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| batch | moe | dense | TPOT ms | tokens/s | roofline ms | TPOT / roofline | host dispatch ms | "
+                     "synced step ms | distinct experts / layer (uniform) | GB / step | compile s |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["decode"]:
             roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
             lines.append(f"| {r['batch']} | {moe_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
-                         f"{r['tokens_per_s']:.1f} | {roof} | "
+                         f"{r['tokens_per_s']:.1f} | {roof} | {r.get('dispatch_ms', 0):.3f} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
                          f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
                          f"{r['compile_s']:.1f} |")
