@@ -298,9 +298,11 @@ def bench_decode(B, args, results, copy_bw):
         return jax.jit(run, donate_argnums=(0,))
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    if args.sweep:  # block_v, warps
+    if args.sweep:  # block_v, warps; heads per program (the next head's state loaded before this one's update)
         variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
-                    for bv, nw in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (128, 4))}
+                    for bv, nw in ((32, 2), (32, 4), (64, 2), (64, 4), (128, 4))}
+        variants.update({f"pallas_bv{bv}_w{nw}_heads{hp}": dict(block_v=bv, num_warps=nw, heads_per_program=hp)
+                         for bv, nw, hp in ((32, 2, 2), (32, 4, 2), (32, 4, 4), (64, 4, 2), (64, 8, 2))})
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
