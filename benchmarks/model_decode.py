@@ -559,7 +559,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
     per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
     row = {"batch": batch, "moe": moe, "moe_impl": moe_implementation(config, setup.mesh),
-           "dense_impl": dense_implementation(config, setup.mesh, batch), "context": args.prompt_len,
+           "dense_impl": dense_implementation(config, setup.mesh, batch),
+           "fused_projections": bool(config.fused_projections), "context": args.prompt_len,
            "cache": "prefill" if prefilled is not None else "synthetic", "compile_s": compile_s,
            "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
            "block_ms": [b * 1e3 for b in blocks], "dispatch_ms": statistics.median(issued) * 1e3,

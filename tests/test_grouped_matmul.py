@@ -211,6 +211,19 @@ def test_pallas_dense_matmul_interpret_matches_dot(num_rows, grid):
         pallas_gmm.dense_matmul(x, kernel, grid="cols", interpret=True)
 
 
+def test_pallas_dense_matmul_of_several_kernels_in_one_launch():
+    """A tuple of same-shape kernels (q / k / v of one input): one launch, each product as alone; shapes must match."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(1, 256)), jnp.bfloat16)
+    kernels = tuple(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16) for _ in range(3))
+    got = pallas_gmm.dense_matmul(x, kernels, interpret=True)
+    assert isinstance(got, tuple) and len(got) == 3
+    for out, kernel in zip(got, kernels):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(pallas_gmm.dense_matmul(x, kernel, interpret=True)))
+    with pytest.raises(ValueError, match="must share a shape"):
+        pallas_gmm.dense_matmul(x, (kernels[0], kernels[1][:, :64]), interpret=True)
+
+
 def test_dense_dispatcher_choices_and_errors(monkeypatch):
     assert gmm.resolve_dense("auto", jnp.bfloat16, 256, 128, 1) == "xla"  # CPU
     with pytest.raises(RuntimeError, match="dense_matmul=pallas was requested, but .*NVIDIA GPU"):
@@ -245,3 +258,27 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     got = layer.apply(params, x)
     assert calls == [(2, 256)] and got.shape == (2, 1, 128)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch):
+    """linears.MLP with fused_projections: gate_proj and up_proj (same params) in one dense_matmul call, down_proj
+    alone; the output is the unfused MLP's."""
+    from MaxText import pyconfig
+    from MaxText.layers.linears import MLP
+    plain = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16"]), 128)
+    fused = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
+                                                                   "fused_projections=true"]), 128)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(1, 1, 256)), jnp.bfloat16)
+    params = plain.init(jax.random.key(0), x)
+    jax.tree.map(np.testing.assert_array_equal, params, fused.init(jax.random.key(0), x))
+    want = plain.apply(params, x)
+    calls, kernel_fn = [], pallas_gmm.dense_matmul
+
+    def interpreted(rows, kernels):
+        calls.append(len(kernels))
+        return kernel_fn(rows, kernels, interpret=True)
+    monkeypatch.setattr(gmm, "resolve_dense", lambda *a: "pallas")
+    monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
+    got = fused.apply(params, x)
+    assert calls == [2, 1]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)

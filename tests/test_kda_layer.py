@@ -285,3 +285,31 @@ def test_verify_pallas_runs_the_verify_kernel(interpreted_pallas):
     np.testing.assert_allclose(got_cache["recurrent_state"], want_cache["recurrent_state"], atol=TOL, rtol=TOL)
     np.testing.assert_array_equal(kda.committed_state(got_cache), kda.committed_state(cache))  # verify keeps it
     np.testing.assert_allclose(got_step, want_step, atol=TOL, rtol=TOL)
+
+
+def test_fused_projections_keep_params_and_output_in_fewer_dense_calls(monkeypatch):
+    """fused_projections: q/k/v and f_a/g_a (and the MLPs' gate/up) go through one dense_matmul call per group. The
+    params (names and random-init values) and the output are those of the unfused layer; with the Pallas dense
+    kernel resolved (run by the interpreter here) the groups arrive as tuples of 3 and 2 kernels, one call each."""
+    from MaxText.kernels import grouped_matmul as gmm
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(2, 5, HIDDEN)), jnp.float32)
+    plain, fused = KimiDeltaAttention(our_config()), KimiDeltaAttention(our_config(fused_projections=True))
+    params = plain.init(jax.random.key(3), x, model_mode="train")["params"]
+    fused_params = fused.init(jax.random.key(3), x, model_mode="train")["params"]
+    jax.tree.map(np.testing.assert_array_equal, params, fused_params)
+    want = plain.apply({"params": params}, x, model_mode="train")
+    np.testing.assert_array_equal(np.asarray(fused.apply({"params": params}, x, model_mode="train")),
+                                  np.asarray(want))
+    calls, kernel_fn = [], pallas_gmm.dense_matmul
+
+    def interpreted(rows, kernels):
+        calls.append(len(kernels))
+        return kernel_fn(rows, kernels, interpret=True)
+    # pallas wherever the kernel supports the shape (b_proj's 2 heads are too few columns: XLA)
+    monkeypatch.setattr(gmm, "resolve_dense", lambda _, dtype, contract, out, rows: (
+        "xla" if pallas_gmm.unsupported_reason(dtype, contract, out) else "pallas"))
+    monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
+    got = fused.apply({"params": params}, x, model_mode="train")
+    assert sorted(calls) == [1, 1, 1, 2, 3], calls  # f_b, g_b, o alone; f_a + g_a; q + k + v
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)

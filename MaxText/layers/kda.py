@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
-from MaxText.layers.linears import Dense
+from MaxText.layers.linears import Dense, dense_together
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
 # Logical axes of the cache entries (MaxText/sharding.py shards the cache by them): rows over the data axis, the
@@ -179,8 +179,8 @@ class KimiDeltaAttention(nn.Module):
             x = jnp.where((decoder_segment_ids != 0)[..., None], x, jnp.zeros_like(x))
 
         # Projections and the three short convolutions (one fused depthwise conv over q|k|v channels).
-        qkv_pre = jnp.concatenate([self._dense(qkv_dim, ("embed", "kda_qkv"), name)(x)
-                                   for name in ("q_proj", "k_proj", "v_proj")], axis=-1)  # [B, T, 3*H*K]
+        qkv_pre = jnp.concatenate(dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj")),
+                                  axis=-1)  # [B, T, 3*H*K]
         conv_kernel = jnp.concatenate([ShortConvKernel(width, qkv_dim, jnp.dtype(cfg.weight_dtype), name=name)()
                                        for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
@@ -198,8 +198,9 @@ class KimiDeltaAttention(nn.Module):
         conv_out, new_window = causal_conv(qkv_pre, window, conv_kernel, train_segments)
         mixed_qkv = jax.nn.silu(conv_out).astype(dtype)  # [B, T, 3*H*K]: q | k | v, heads in order within each
 
-        # Forget gate input (the gate itself is computed in the kernel) and the delta-rule step size's logit.
-        f_a = self._dense(head_dim, ("embed", None), "f_a_proj")(x)
+        # Forget gate input (the gate itself is computed in the kernel), the delta-rule step size's logit, and the
+        # output gate's low-rank input (used by `_output`; projected here with f_a, the same shape).
+        f_a, g_a = dense_together(cfg, x, head_dim, ("embed", None), ("f_a_proj", "g_a_proj"))  # [B, T, K] each
         g_raw = self._dense(qkv_dim, (None, "kda_qkv"), "f_b_proj")(f_a)  # [B, T, H*K]
         A_log = self._param("A_log", a_log_init, (num_heads,), ("kda_heads",))
         dt_bias = self._param("dt_bias", dt_bias_init, (qkv_dim,), ("kda_qkv",))
@@ -217,7 +218,7 @@ class KimiDeltaAttention(nn.Module):
                 mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias,
                 ring.reshape(batch * num_slots, *ring.shape[2:]), pool_rows, num_heads=num_heads,
                 head_dim=head_dim, implementation=cfg.kda_kernel)  # o: [B, H, V]; pool: [B*S, H, K, V]
-            return self._update_cache_and_output(x, o[:, None], conv_state, new_window, state_ring,
+            return self._update_cache_and_output(g_a, o[:, None], conv_state, new_window, state_ring,
                                                  pool.reshape(ring.shape))
 
         qkv = mixed_qkv.reshape(batch, seq_len, 3, num_heads, head_dim)
@@ -242,7 +243,7 @@ class KimiDeltaAttention(nn.Module):
                 self.put_variable("cache", "verify_inputs",
                                   jnp.concatenate([window, qkv_pre.astype(window.dtype)], axis=1))  # [B, W-1+T, C]
                 state_ring.value = nn.with_logical_constraint(ring, CACHE_LOGICAL_AXES["recurrent_state"])
-            return self._output(x, o)
+            return self._output(g_a, o)
         kernel_fn = kda_kernels.fused_recurrent_kda if model_mode == "autoregressive" else kda_kernels.chunk_kda
         o, final_state = kernel_fn(
             q, k, v, g_raw, beta, implementation=cfg.kda_kernel,
@@ -251,22 +252,22 @@ class KimiDeltaAttention(nn.Module):
             A_log=A_log, dt_bias=dt_bias, chunk_size=cfg.kda_chunk_size,
             **({} if train_segments is None else {"segment_ids": train_segments}))  # o: [B, T, H, V]
         new_ring = None if state_ring is None else write_slot(state_ring.value, state_slot.value, final_state)
-        return self._update_cache_and_output(x, o, conv_state, new_window, state_ring, new_ring)
+        return self._update_cache_and_output(g_a, o, conv_state, new_window, state_ring, new_ring)
 
-    def _update_cache_and_output(self, x, o, conv_state, new_window, state_ring, new_ring):
-        """Stores the new conv window and state ring (prefill / autoregressive), then `_output(x, o)`."""
+    def _update_cache_and_output(self, g_a, o, conv_state, new_window, state_ring, new_ring):
+        """Stores the new conv window and state ring (prefill / autoregressive), then `_output(g_a, o)`."""
         if state_ring is not None and not self.is_initializing():
             conv_state.value = nn.with_logical_constraint(new_window, CACHE_LOGICAL_AXES["conv_state"])
             state_ring.value = nn.with_logical_constraint(new_ring, CACHE_LOGICAL_AXES["recurrent_state"])
-        return self._output(x, nn.with_logical_constraint(o, HEAD_ACTIVATION_AXES))
+        return self._output(g_a, nn.with_logical_constraint(o, HEAD_ACTIVATION_AXES))
 
-    def _output(self, x, o):
-        """Output gate, gated RMSNorm over each head, output projection: o [B, T, H, V] -> [B, T, D]."""
+    def _output(self, g_a, o):
+        """Output gate (from g_a = g_a_proj(x) [B, T, K]), gated RMSNorm over each head, output projection:
+        o [B, T, H, V] -> [B, T, D]."""
         cfg = self.config
         batch, seq_len, num_heads, head_dim = o.shape
         qkv_dim = num_heads * head_dim
-        gate = self._dense(qkv_dim, (None, "kda_qkv"), "g_b_proj")(
-            self._dense(head_dim, ("embed", None), "g_a_proj")(x)).reshape(batch, seq_len, num_heads, head_dim)
+        gate = self._dense(qkv_dim, (None, "kda_qkv"), "g_b_proj")(g_a).reshape(batch, seq_len, num_heads, head_dim)
         o = GatedRMSNorm(head_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype), name="o_norm")(
             o, gate).astype(jnp.dtype(cfg.dtype))
         return self._dense(cfg.emb_dim, ("kda_qkv", "embed"), "o_proj")(o.reshape(batch, seq_len, qkv_dim))

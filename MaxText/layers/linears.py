@@ -62,6 +62,18 @@ class Dense(nn.Module):
                             precision=matmul_precision(self.config))
 
 
+def dense_together(config: ml_collections.FrozenConfigDict, x: jax.Array, features: int,
+                   kernel_axes: Sequence[str | None], names: Sequence[str]) -> tuple[jax.Array, ...]:
+    """x @ kernel for several projections of the same x with the same shape, each a `Dense(config, features,
+    kernel_axes, name=name)` of the calling (compact) module: the same params (`name/kernel`) and products. With
+    `config.fused_projections`, one `dense_matmul` call for the group (the Pallas kernel: one launch)."""
+    if not config.fused_projections:
+        return tuple(Dense(config, features, kernel_axes, name=name)(x) for name in names)
+    kernels = tuple(DenseKernel(config, (x.shape[-1], features), kernel_axes, name=name)() for name in names)
+    return dense_matmul(x.astype(config.dtype), kernels, implementation=config.dense_matmul,
+                        precision=matmul_precision(config))
+
+
 class MLP(nn.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), intermediate size `intermediate_dim`."""
     config: ml_collections.FrozenConfigDict
@@ -69,6 +81,6 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = Dense(self.config, self.intermediate_dim, ("embed", "mlp"), name="gate_proj")(x)  # [..., I]
-        up = Dense(self.config, self.intermediate_dim, ("embed", "mlp"), name="up_proj")(x)  # [..., I]
+        gate, up = dense_together(self.config, x, self.intermediate_dim, ("embed", "mlp"),
+                                  ("gate_proj", "up_proj"))  # [..., I] each
         return Dense(self.config, x.shape[-1], ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)

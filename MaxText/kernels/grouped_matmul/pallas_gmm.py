@@ -264,17 +264,25 @@ def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_p
                                                                              or d == k_blocks))
 
 
-def dense_matmul(rows: jax.Array, kernel: jax.Array, *, block_k: int = 64, block_n: int = 64,
-                 min_programs: int = 256, grid: str = "tiles", interpret: bool = False) -> jax.Array:
+def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 64, min_programs: int = 256,
+                 grid: str = "tiles", interpret: bool = False):
     """rows [M, K] x kernel [K, N] -> [M, N] in rows' dtype, for few rows (M <= 16: one tile, each weight read
     once): the `tiles` grid with one group, K split (dense_split_k, for at least `min_programs` programs) so that a
-    decode step's projection keeps the whole GPU reading. grid="rows": the vector-matrix `rows` grid instead (fp32
-    FMAs, no 16-row tile; an experiment timed by benchmarks/grouped_matmul.py --sweep)."""
+    decode step's projection keeps the whole GPU reading. `kernel` may also be a tuple of [K, N] kernels (projections
+    of the same rows, e.g. q / k / v): one launch multiplies by all of them (each program one column block of each)
+    and a tuple of products is returned. grid="rows": the vector-matrix `rows` grid instead (fp32 FMAs, no 16-row
+    tile; an experiment timed by benchmarks/grouped_matmul.py --sweep)."""
     if grid not in ("tiles", "rows"):
         raise ValueError(f"grid={grid!r}: expected 'tiles' or 'rows'")
+    several = isinstance(kernel, (tuple, list))
+    kernels = tuple(kernel) if several else (kernel,)
+    if len({k.shape for k in kernels}) != 1:
+        raise ValueError(f"kernels of one launch must share a shape, got {[k.shape for k in kernels]}")
     num_rows, contract = rows.shape
-    block_k, block_n = _block(contract, block_k), _block(kernel.shape[1], block_n)
-    split_k = dense_split_k(contract, kernel.shape[1], block_k, block_n, min_programs)
-    return grouped_matmul(rows, kernel[None], jnp.full((1,), num_rows, jnp.int32), jnp.zeros((num_rows,), jnp.int32),
-                          block_m=16, block_n=block_n, block_k=block_k, split_k=split_k,
-                          rowwise_max_rows=num_rows if grid == "rows" else 0, interpret=interpret)
+    out_dim = kernels[0].shape[1]
+    block_k, block_n = _block(contract, block_k), _block(out_dim, block_n)
+    split_k = dense_split_k(contract, out_dim, block_k, block_n, min_programs)
+    outs = grouped_matmul(rows, tuple(k[None] for k in kernels), jnp.full((1,), num_rows, jnp.int32),
+                          jnp.zeros((num_rows,), jnp.int32), block_m=16, block_n=block_n, block_k=block_k,
+                          split_k=split_k, rowwise_max_rows=num_rows if grid == "rows" else 0, interpret=interpret)
+    return outs if several else outs[0]
