@@ -20,7 +20,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
   prefill  a --prompt-len prompt (batch 1) fed --prefill-chunk tokens per jitted call, each continuing the donated
            cache (chunked prefill bounds the MoE dispatch's temporaries); median wall time of --prefill-repeats runs
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
-  decode   per batch B (--batches) and MoE dispatch (--decode-moe): the prefilled prompt's cache repeated over B rows
+  decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
+           on the same params, e.g. fused_projections=true): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
            The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import itertools
 import json
 import os
 import platform
@@ -364,9 +366,11 @@ def dense_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.shar
                                             config.kda_num_heads * config.kda_head_dim, batch)
 
 
-def moe_label(row: dict) -> str:
-    """'auto (pallas)' when the requested dispatch resolved to another implementation, else the implementation."""
-    return row["moe"] if row["moe"] == row["moe_impl"] else f"{row['moe']} ({row['moe_impl']})"
+def setting_label(row: dict) -> str:
+    """The MoE dispatch, 'auto (pallas)' when the requested one resolved to another implementation, then the decode
+    variant's config overrides, if any."""
+    moe = row["moe"] if row["moe"] == row["moe_impl"] else f"{row['moe']} ({row['moe_impl']})"
+    return f"{moe}, {row['variant']}" if row.get("variant") else moe
 
 
 class Setup:
@@ -521,12 +525,23 @@ def batch_cache(setup: Setup, prefilled, batch: int, context: int):
     return jax.jit(lambda: jax.tree_util.tree_map_with_path(synthetic, abstract), out_shardings=shardings)()
 
 
-def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: float | None, profile: bool) -> dict:
-    """Times (and profiles) the decode step at `batch` rows with MoE dispatch `moe`; returns its result row."""
+def variant_overrides(variant: str) -> dict[str, str]:
+    """A --decode-variants value, 'key=value,key=value' ('' = none), as a dict of config overrides."""
+    pairs = [item.split("=", 1) for item in variant.split(",") if item.strip()]
+    if any(len(pair) != 2 or not pair[0].strip() for pair in pairs):
+        raise ValueError(f"decode variant {variant!r}: expected comma-separated key=value config overrides")
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled, copy_bw: float | None,
+               profile: bool) -> dict:
+    """Times (and profiles) the decode step at `batch` rows with MoE dispatch `moe` and the config overrides of
+    `variant` (same params); returns its result row."""
     multiple = sharding.batch_multiple(setup.mesh, setup.config)
     if batch % multiple:
         raise ValueError(f"batch {batch} is not a multiple of the mesh's {multiple} batch shards")
-    config = load_benchmark_config(args, moe_grouped_matmul=moe)
+    config = load_benchmark_config(args, moe_grouped_matmul=moe, **variant_overrides(variant))
+    setting = f"B={batch} moe={moe}" + (f" {variant}" if variant else "")
     cache = batch_cache(setup, prefilled, batch, args.prompt_len)
     rng = np.random.default_rng(batch)
     tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
@@ -536,7 +551,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
         make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens),
         in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1)),
         out_shardings=(setup.rows(1), replicated, cache_shardings), donate_argnums=(1,))
-    log(f"decode B={batch} moe={moe}: compiled in {compile_s:.1f} s")
+    log(f"decode {setting}: compiled in {compile_s:.1f} s")
 
     for _ in range(args.warmup):
         tokens, _, cache = step(setup.params, cache, tokens)
@@ -558,7 +573,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
     tpot = statistics.median(blocks)
     per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
-    row = {"batch": batch, "moe": moe, "moe_impl": moe_implementation(config, setup.mesh),
+    row = {"batch": batch, "moe": moe, "variant": variant, "moe_impl": moe_implementation(config, setup.mesh),
            "dense_impl": dense_implementation(config, setup.mesh, batch),
            "fused_projections": bool(config.fused_projections), "context": args.prompt_len,
            "cache": "prefill" if prefilled is not None else "synthetic", "compile_s": compile_s,
@@ -576,7 +591,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, prefilled, copy_bw: flo
         row["roofline_uniform_ms"] = decode_bytes_per_step(config, batch, args.prompt_len, uniform)["total"] \
             / bandwidth * 1e3
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['tpot_over_roofline']:.2f})" if copy_bw else ""
-    log(f"decode B={batch} moe={moe}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
+    log(f"decode {setting}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
         f"host dispatch {row['dispatch_ms']:.3f} ms per step; synced step {row['synced_step_ms'] or 0:.3f} ms; "
         f"distinct experts/layer {row['distinct_experts_mean']:.1f} "
         f"(uniform {uniform:.1f}){memory_note()}")
@@ -657,7 +672,7 @@ def report(results: dict) -> str:
     pre = results.get("prefill")
     if pre:
         lines.append(f"- prefill, batch 1, {pre['prompt_len']} tokens in chunks of {pre['chunk']} "
-                     f"(moe {moe_label(pre)}): {pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s "
+                     f"(moe {setting_label(pre)}): {pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tokens/s "
                      f"(compile {pre['compile_s']:.1f} s)")
     if results.get("decode"):
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
@@ -667,7 +682,7 @@ def report(results: dict) -> str:
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["decode"]:
             roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
-            lines.append(f"| {r['batch']} | {moe_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
+            lines.append(f"| {r['batch']} | {setting_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
                          f"{r['tokens_per_s']:.1f} | {roof} | {r.get('dispatch_ms', 0):.3f} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
                          f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
@@ -679,13 +694,13 @@ def report(results: dict) -> str:
             b = {k: v / 1e9 for k, v in r["bytes"].items()}
             state = b["kda_state"] + b["kda_conv_state"]
             whole = b["total"] - b["routed_experts"] - state - b["mla_latent_cache"]
-            lines.append(f"| {r['batch']} | {moe_label(r)} | {whole:.3f} | {b['routed_experts']:.3f} | {state:.3f} | "
-                         f"{b['mla_latent_cache']:.3f} | {b['total']:.3f} |")
+            lines.append(f"| {r['batch']} | {setting_label(r)} | {whole:.3f} | {b['routed_experts']:.3f} | "
+                         f"{state:.3f} | {b['mla_latent_cache']:.3f} | {b['total']:.3f} |")
         for r in results["decode"]:
             prof = r.get("profile")
             if not prof:
                 continue
-            lines.append(f"\n### Profile, batch {r['batch']}, moe {moe_label(r)}")
+            lines.append(f"\n### Profile, batch {r['batch']}, moe {setting_label(r)}")
             if "error" in prof:
                 lines.append(f"profile unavailable: {prof['error']}")
                 continue
@@ -723,6 +738,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
     parser.add_argument("--decode-moe", nargs="+", default=["auto"], choices=grouped_matmul.CHOICES,
                         help="moe_grouped_matmul values to decode with (each one is a decode setting)")
+    parser.add_argument("--decode-variants", nargs="+", default=[""],
+                        help="config overrides per decode setting, each 'key=value,...' ('' = none), on the same "
+                             "params (e.g. 'fused_projections=true' 'dense_matmul=xla')")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps before timing")
@@ -781,14 +799,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def decode():
         copy_bw = results.get("copy_bandwidth", {}).get("used_Bps")
         for batch in args.batches:
-            for moe in args.decode_moe:
+            for moe, variant in itertools.product(args.decode_moe, args.decode_variants):
+                setting = f"decode B={batch} moe={moe}" + (f" {variant}" if variant else "")
                 try:
-                    results["decode"].append(run_decode(state["setup"], args, batch, moe, state["prefilled"], copy_bw,
-                                                        "profile" in args.stages))
+                    results["decode"].append(run_decode(state["setup"], args, batch, moe, variant, state["prefilled"],
+                                                        copy_bw, "profile" in args.stages))
                 except Exception as e:  # noqa: BLE001 -- one setting failing (e.g. out of memory) leaves the others
                     traceback.print_exc()
-                    results["errors"][f"decode B={batch} moe={moe}"] = f"{type(e).__name__}: {str(e)[:800]}"
-                    log(f"decode B={batch} moe={moe} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                    results["errors"][setting] = f"{type(e).__name__}: {str(e)[:800]}"
+                    log(f"{setting} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 write_json(args.out, results)
 
     if "copy" in args.stages:
