@@ -44,7 +44,7 @@ def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(align
     computed here in float64 from the kernels' own qn, kn, G. Random strong gates make the entries span several
     orders of magnitude; nearly parallel keys without decay and beta ~ 1 make A_kk close to all-ones below the
     diagonal (where a Neumann product of powers loses 5e-4). block_k = 16 of K = 32: the pair products accumulated
-    over two channel blocks; 32: one."""
+    over two channel blocks; 32: one. NaN where `diag` leaves its blocks unset: `scores` must mask them."""
     from MaxText.kernels.kda import pallas_chunk
     x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32, raw_gate=True)
     if aligned_keys:
@@ -56,6 +56,11 @@ def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(align
                                      gate=True, interpret=True)
     scale = 32 ** -0.5
     diag_blocks = pallas_chunk.diag(qn, kn, G, scale=scale, interpret=True)
+    # `diag` leaves the entries above its diagonal unset (and akk's diagonal not zero): garbage there must reach
+    # neither A_qk nor the inverse
+    s_of_t = np.arange(128)[:, None] % 16  # [T, 1] position of token t in its sub-chunk
+    diag_blocks = (jnp.where(np.arange(16) > s_of_t, jnp.nan, diag_blocks[0]),
+                   jnp.where(np.arange(16) >= s_of_t, jnp.nan, diag_blocks[1]))
     aqk, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=scale, block_k=block_k, interpret=True)
     inverse = pallas_chunk.wy_inverse(akk, beta, dtype=jnp.float32, interpret=True)  # [H, T, 64]
     qn, kn, G = (np.asarray(a, np.float64) for a in (qn, kn, G))

@@ -107,22 +107,17 @@ def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, 
     def score(j, carry):  # key token j <= t of the same sub-chunk: exact per-channel decay e^{G_t - G_j} <= 1
         k_dec = kn_ref[j, heads, :].astype(F32) * jnp.exp(G_t - G_ref[j, heads, :])  # [BH, K]
         aqk_ref[heads, t, j - first] = jnp.sum(q_t * k_dec, axis=1) * scale  # [BH]
-        akk_ref[heads, t, j - first] = jnp.where(j < t, jnp.sum(k_t * k_dec, axis=1), 0.0)
+        akk_ref[heads, t, j - first] = jnp.sum(k_t * k_dec, axis=1)  # at j = t too: `scores` keeps j < t only
         return carry
 
-    def zero(j, carry):  # j > t: above the diagonal
-        aqk_ref[heads, t, j - first] = jnp.zeros((heads_per_program,), F32)
-        akk_ref[heads, t, j - first] = jnp.zeros((heads_per_program,), F32)
-        return carry
-
-    lax.fori_loop(first, t + 1, score, 0)
-    lax.fori_loop(t + 1, first + SUB, zero, 0)
+    lax.fori_loop(first, t + 1, score, 0)  # the entries j > t stay unset: `scores` masks them
 
 
 def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, interpret=False):
     """Kernel 2, token-parallel: one program per (token t, block of heads). Returns the diagonal 16x16 blocks
-    aqk_d[h, t, s] = scale sum_c q_tc k_jc e^{G_tc - G_jc} and akk_d (same with k_t, strictly lower) for the key
-    j = (first token of t's sub-chunk) + s, both [H, Ttot, 16] fp32 (zero above the diagonal)."""
+    aqk_d[h, t, s] = scale sum_c q_tc k_jc e^{G_tc - G_jc} and akk_d (same with k_t) for the key j = (first token of
+    t's sub-chunk) + s <= t, both [H, Ttot, 16] fp32; the entries j > t are unset (and akk_d's j = t is not zero):
+    `scores` keeps j <= t of aqk_d and j < t of akk_d."""
     total, H, _ = qn.shape
     while H % heads_per_program:
         heads_per_program //= 2
@@ -185,7 +180,9 @@ def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, 
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     rows = pl.ds(t0 + SUB * i, SUB)
-    aqk_d, akk_d = aqkd_ref[head, rows, :], akkd_ref[head, rows, :]
+    row, col = jnp.arange(SUB, dtype=jnp.int32)[:, None], jnp.arange(SUB, dtype=jnp.int32)[None, :]
+    aqk_d = jnp.where(col <= row, aqkd_ref[head, rows, :], 0.0)  # `diag` leaves the entries above unset
+    akk_d = akkd_ref[head, rows, :]  # as is: `wy_inverse` reads only its strictly lower part
     for j in range(NSUB):
         @pl.when(j == i)
         def _diagonal():
@@ -242,7 +239,7 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=32, interpret=
     accumulated over blocks of block_k key channels) and the diagonal block from `diag_blocks` = `diag`'s (aqk_d,
     akk_d). The four programs of a (chunk, head), which read the same key sub-chunks, launch one after another
     (`_reversed_grid`). Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk
-    [H, Ttot, 64] fp32 (blocks j <= i; the others unset). H200, B=8, T=4096 (benchmarks/RESULTS.md): 1.27 ms;
+    [H, Ttot, 64] fp32 (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset). H200, B=8, T=4096 (benchmarks/RESULTS.md): 1.27 ms;
     1.46 with whole-K products (255 registers, spilling) in grid order."""
     total, H, K = qn.shape
     block_k = min(block_k, K)
@@ -259,7 +256,7 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=32, interpret=
 
 def wy_inverse(akk, beta, *, dtype, num_warps=1, interpret=False):
     """Kernel 4, one program per (chunk, head): T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] (row t of its chunk's
-    64 x 64 lower-triangular block), from the blocks j <= i of `scores`' A_kk. dtype: the q/k/v dtype; T is
+    64 x 64 lower-triangular block), from the strictly lower part of `scores`' A_kk (nothing else is read). dtype: the q/k/v dtype; T is
     stored in it (`wu` multiplies bf16 inputs with bf16 operands) and with float32 every product is fp32-accurate."""
     H, total, _ = akk.shape
     return pl.pallas_call(
