@@ -13,13 +13,13 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
 3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as tensor-core products
    accumulated over 32-channel blocks, factored through the sub-chunk boundaries so that every exponent is <= 0
    (nothing overflows for any gate); writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal
-   ones copied from `diag` (computing them here instead, one key column at a time, took 11.4 ms at B=8, T=4096 on
-   an H200 vs 1.0 + 1.5 ms).
-4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (stored in q's dtype), built blockwise: the diagonal blocks by
-   block size doubling (four steps of two tensor-core products), then the off-diagonal blocks. (Scores and inverse
-   in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a parallel inverse of the
-   diagonal blocks, and 2.1 ms accumulating all six off-diagonal pairs over 32-channel blocks as fla-core does
-   (5.3 ms with 4 warps), vs 1.5 + 0.4 ms as two kernels: benchmarks/RESULTS.md.)
+   ones from `diag` (A_qk's masked above the diagonal; computing them here instead, one key column at a time, took
+   11.4 ms at B=8, T=4096 on an H200 vs 1.0 + 1.5 ms).
+4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (stored in q's dtype), built blockwise: the
+   diagonal blocks by block size doubling (four steps of two tensor-core products), then the off-diagonal blocks.
+   (Scores and inverse in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a
+   parallel inverse of the diagonal blocks, and 2.1 ms accumulating all six off-diagonal pairs over 32-channel
+   blocks as fla-core does (5.3 ms with 4 warps), vs 1.5 + 0.4 ms as two kernels: benchmarks/RESULTS.md.)
 5. `wu` -- per (chunk, head), looping over blocks of 64 key / value columns: w = T (beta k e^G), u = T (beta v)
    ([64, 64] x [64, 64] products, bf16 operands with bf16 inputs as in fla-core), qg = scale q e^G,
    kg = k e^{G_last - G}, and G_last (fp32).
@@ -239,8 +239,9 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=32, interpret=
     accumulated over blocks of block_k key channels) and the diagonal block from `diag_blocks` = `diag`'s (aqk_d,
     akk_d). The four programs of a (chunk, head), which read the same key sub-chunks, launch one after another
     (`_reversed_grid`). Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk
-    [H, Ttot, 64] fp32 (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset). H200, B=8, T=4096 (benchmarks/RESULTS.md): 1.27 ms;
-    1.46 with whole-K products (255 registers, spilling) in grid order."""
+    [H, Ttot, 64] fp32 (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset).
+    H200, B=8, T=4096 (benchmarks/RESULTS.md): 1.27 ms; 1.46 with whole-K products (255 registers, spilling) in
+    grid order."""
     total, H, K = qn.shape
     block_k = min(block_k, K)
     if block_k < 16 or K % block_k:
@@ -256,8 +257,9 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=32, interpret=
 
 def wy_inverse(akk, beta, *, dtype, num_warps=1, interpret=False):
     """Kernel 4, one program per (chunk, head): T = (I + diag(beta) A_kk)^-1 [H, Ttot, 64] (row t of its chunk's
-    64 x 64 lower-triangular block), from the strictly lower part of `scores`' A_kk (nothing else is read). dtype: the q/k/v dtype; T is
-    stored in it (`wu` multiplies bf16 inputs with bf16 operands) and with float32 every product is fp32-accurate."""
+    64 x 64 lower-triangular block), from the strictly lower part of `scores`' A_kk (nothing else is read).
+    dtype: the q/k/v dtype; T is stored in it (`wu` multiplies bf16 inputs with bf16 operands) and with float32
+    every product is fp32-accurate. H200, B=8, T=4096: 0.32 ms (0.61 storing fp32 T)."""
     H, total, _ = akk.shape
     return pl.pallas_call(
         functools.partial(_inverse_kernel, precise=dtype == F32, interpret=interpret),
@@ -309,8 +311,8 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, num_stages=2, interpr
     columns (pipelined over num_stages, as fla-core's recompute_w_u): w = T (beta k e^G), u = T (beta v) ([64, 64]
     x [64, WU_BLOCK] products with T's dtype as operands: bf16 with bf16 inputs, as in fla-core; fp32-accurate with
     fp32), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep fp32 tiles within shared memory (whole
-    [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB). H200, B=8, T=4096 (benchmarks/RESULTS.md): 0.86 ms;
-    1.15 with a program per column block and tf32 products.
+    [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB). H200, B=8, T=4096 (benchmarks/RESULTS.md): 0.75 ms
+    (bf16 T); 1.05 with an fp32 T (tf32 products); 1.15 with a program per column block and tf32 products.
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]

@@ -1,6 +1,7 @@
 """Pallas (Triton lowering) single-token KDA decode over a state pool, updated in place.
 
-One program per (batch row, head, block of BV value columns): it reads the row's packed conv output, computes
+One program per (batch row, head, block of BV value columns) (or per block of `heads_per_program` heads, updated
+one after another): it reads the row's packed conv output, computes
 l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row
 `slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
