@@ -8,7 +8,7 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
 Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
-cache hints on the state):
+heads per program):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -261,13 +261,19 @@ def fla_decode_step(mixed, a, b, A_log, dt_bias, pool, slots):
     return pool_t, step
 
 
+def decode_problem(B):
+    """The timed decode step's inputs at batch B: (mixed, a, b, A_log, dt_bias), slots (a permutation of a B-row
+    pool) and a function making the pool's starting state [B, H, K, V] fp32."""
+    key = jax.random.PRNGKey(1000 + B)
+    slots = jnp.asarray(np.random.default_rng(B).permutation(B).astype(np.int32))
+    return decode_inputs(key, B, B), slots, lambda: jax.random.normal(key, (B, H, K, V), jnp.float32) * 0.1
+
+
 def ncu_decode(B):
     """--tune --ncu: our default decode kernel twice, then fla's three times (the first autotunes), at batch B."""
     import torch
-    key = jax.random.PRNGKey(1000 + B)
-    inputs = decode_inputs(key, B, B)
-    slots = jnp.asarray(np.random.default_rng(B).permutation(B).astype(np.int32))
-    pool = jax.random.normal(key, (B, H, K, V), jnp.float32) * 0.1
+    inputs, slots, initial_pool = decode_problem(B)
+    pool = initial_pool()
     _, fla_step = fla_decode_step(*inputs, pool, slots)
     step = jax.jit(lambda *x: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K), donate_argnums=(5,))
     for _ in range(2):
@@ -281,10 +287,7 @@ def ncu_decode(B):
 
 def bench_decode(B, args, results, copy_bw):
     import torch
-    S = B
-    key = jax.random.PRNGKey(1000 + B)
-    mixed, a, b, A_log, dt_bias = decode_inputs(key, B, S)
-    slots = jnp.asarray(np.random.default_rng(B).permutation(S).astype(np.int32))
+    (mixed, a, b, A_log, dt_bias), slots, initial_pool = decode_problem(B)
     row = {"B": B}
     state_bytes = 2 * B * H * K * V * 4
 
@@ -308,8 +311,7 @@ def bench_decode(B, args, results, copy_bw):
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
         run = loop_fn(step)
-        pool = jax.random.normal(key, (S, H, K, V), jnp.float32) * 0.1
-        holder = [pool]
+        holder = [initial_pool()]
 
         def call():
             holder[0], acc = run(holder[0], mixed, a, b, A_log, dt_bias, slots)
@@ -319,8 +321,7 @@ def bench_decode(B, args, results, copy_bw):
         log(f"  decode B={B} {name}: {row[f'{name}_s'] * 1e6:.2f} us/step, state traffic "
             f"{row[f'{name}_state_bw'] / 1e12:.2f} TB/s ({row[f'{name}_state_bw'] / copy_bw:.0%} of copy)")
 
-    pool_t, fla_step = fla_decode_step(mixed, a, b, A_log, dt_bias,
-                                       jax.random.normal(key, (S, H, K, V), jnp.float32) * 0.1, slots)
+    pool_t, fla_step = fla_decode_step(mixed, a, b, A_log, dt_bias, initial_pool(), slots)
     with torch.no_grad():
         before = pool_t.clone()
         o_f, _ = fla_step()
