@@ -81,23 +81,30 @@ def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_d
     return _pallas_or_fallback("moe_grouped_matmul", implementation, reason, "ragged_dot", "auto, ragged_dot or gather")
 
 
+def as_tuple(arrays) -> tuple[tuple, bool]:
+    """(`arrays` as a tuple, whether several were given): the matmuls here take one weight array or a tuple of them
+    and answer in kind."""
+    several = isinstance(arrays, (tuple, list))
+    return (tuple(arrays) if several else (arrays,)), several
+
+
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    implementation: str = "auto", precision=None):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32."""
-    several = isinstance(weights, (tuple, list))
-    first = weights[0] if several else weights
-    chosen = resolve(implementation, rows.dtype, rows.shape[1], first.shape[2])
+    weights, several = as_tuple(weights)
+    chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        return pallas_gmm.grouped_matmul(rows, tuple(weights) if several else weights, group_sizes, row_groups)
-    if chosen == "ragged_dot":
-        product = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
+        outs = pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups)
     else:
-        product = functools.partial(gather_matmul, row_groups=row_groups, precision=precision)
-    return tuple(product(rows, w) for w in weights) if several else product(rows, weights)
+        product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
+                   if chosen == "ragged_dot" else
+                   functools.partial(gather_matmul, row_groups=row_groups, precision=precision))
+        outs = tuple(product(rows, w) for w in weights)
+    return outs if several else outs[0]
 
 
 def rows_must_be_sorted(implementation: str, rows_dtype, contract_dim: int, out_dim: int, num_rows: int) -> bool:
@@ -139,8 +146,7 @@ def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precisio
     matmul's tiles grid with one group and K split over programs (pallas_gmm.dense_matmul): XLA's M = 1
     products read an H200's memory at ~0.6 TB/s in a Kimi-Linear-48B decode step (benchmarks/RESULTS.md).
     `kernel` may be a tuple of same-shape [K, N] kernels: returns the tuple of products (pallas: one launch)."""
-    several = isinstance(kernel, (tuple, list))
-    kernels = tuple(kernel) if several else (kernel,)
+    kernels, several = as_tuple(kernel)
     rows = math.prod(x.shape[:-1])
     if resolve_dense(implementation, x.dtype, x.shape[-1], kernels[0].shape[-1], rows) == "xla":
         outs = tuple(jnp.dot(x, k, precision=precision) for k in kernels)

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from MaxText.kernels.grouped_matmul import as_tuple
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
@@ -168,8 +169,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("rows_one_launch", rows_one_launch), ("interpret", interpret))
-    several = isinstance(weights, (tuple, list))
-    outs = _grouped_matmul(rows, tuple(weights) if several else (weights,), group_sizes, row_groups, options)
+    weights, several = as_tuple(weights)
+    outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
     return outs if several else outs[0]
 
 
@@ -274,8 +275,7 @@ def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 6
     tile; an experiment timed by benchmarks/grouped_matmul.py --sweep)."""
     if grid not in ("tiles", "rows"):
         raise ValueError(f"grid={grid!r}: expected 'tiles' or 'rows'")
-    several = isinstance(kernel, (tuple, list))
-    kernels = tuple(kernel) if several else (kernel,)
+    kernels, several = as_tuple(kernel)
     if len({k.shape for k in kernels}) != 1:
         raise ValueError(f"kernels of one launch must share a shape, got {[k.shape for k in kernels]}")
     num_rows, contract = rows.shape
