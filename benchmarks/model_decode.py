@@ -533,6 +533,11 @@ def variant_overrides(variant: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
+def decode_setting(batch: int, moe: str, variant: str) -> str:
+    """A decode setting's name in the log and the errors: 'B=8 moe=auto fused_projections=true'."""
+    return f"B={batch} moe={moe}" + (f" {variant}" if variant else "")
+
+
 def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled, copy_bw: float | None,
                profile: bool) -> dict:
     """Times (and profiles) the decode step at `batch` rows with MoE dispatch `moe` and the config overrides of
@@ -541,7 +546,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     if batch % multiple:
         raise ValueError(f"batch {batch} is not a multiple of the mesh's {multiple} batch shards")
     config = load_benchmark_config(args, moe_grouped_matmul=moe, **variant_overrides(variant))
-    setting = f"B={batch} moe={moe}" + (f" {variant}" if variant else "")
+    setting = decode_setting(batch, moe, variant)
     cache = batch_cache(setup, prefilled, batch, args.prompt_len)
     rng = np.random.default_rng(batch)
     tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
@@ -760,6 +765,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--stages {','.join(unknown)} unknown; choose from {','.join(STAGES)}")
     if "profile" in args.stages and "decode" not in args.stages:
         parser.error("the profile stage traces the decode settings: add 'decode' to --stages")
+    for variant in args.decode_variants:
+        try:
+            variant_overrides(variant)
+        except ValueError as e:
+            parser.error(f"--decode-variants: {e}")
     return args
 
 
@@ -800,7 +810,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         copy_bw = results.get("copy_bandwidth", {}).get("used_Bps")
         for batch in args.batches:
             for moe, variant in itertools.product(args.decode_moe, args.decode_variants):
-                setting = f"decode B={batch} moe={moe}" + (f" {variant}" if variant else "")
+                setting = f"decode {decode_setting(batch, moe, variant)}"
                 try:
                     results["decode"].append(run_decode(state["setup"], args, batch, moe, variant, state["prefilled"],
                                                         copy_bw, "profile" in args.stages))

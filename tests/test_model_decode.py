@@ -135,3 +135,10 @@ def test_decode_variants_parse_into_config_overrides():
         "fused_projections": "true", "dense_matmul": "xla"}
     with pytest.raises(ValueError, match="expected comma-separated key=value"):
         model_decode.variant_overrides("fused_projections")
+
+
+def test_malformed_decode_variant_is_refused_before_any_stage(capsys):
+    with pytest.raises(SystemExit):
+        model_decode.parse_args(["--smoke", "--decode-variants", "", "fused_projections"])
+    assert "--decode-variants: decode variant 'fused_projections': expected comma-separated key=value" in (
+        capsys.readouterr().err)
