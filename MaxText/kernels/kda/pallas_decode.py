@@ -1,7 +1,6 @@
 """Pallas (Triton lowering) single-token KDA decode over a state pool, updated in place.
 
-One program per (batch row, head, block of BV value columns) (or per block of `heads_per_program` heads, updated
-one after another): it reads the row's packed conv output, computes
+One program per (batch row, head, block of BV value columns): it reads the row's packed conv output, computes
 l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row
 `slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
@@ -61,48 +60,29 @@ def delta_rule_step(state, q, k, v, g, beta):
 
 
 def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                   num_heads, head_k, head_v, block_v, heads_per_program, scale, gate_in_kernel, l2norm_in_kernel,
-                   beta_logit):
-    row, head_block, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
+    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     H, K = num_heads, head_k
     slot = slot_ref[row]
     valid = slot >= 0
     safe = jnp.where(valid, slot, 0)
     cols = pl.ds(vblk * block_v, block_v)
-
-    def update(head, state=None):  # one head's step; stores o and the new [K, BV] state slice
-        q, k, g, beta = token_factors(
-            qkv_ref[row, pl.ds(head * K, K)], qkv_ref[row, pl.ds(H * K + head * K, K)],
-            a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale,
-            gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
-        v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
-        if state is None:
-            state = pool_ref[safe, head, :, cols]
-        state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
-        o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-        pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
-
-    if heads_per_program == 1:
-        update(head_block)
-        return
-    # Several heads per program (unrolled): the next head's state is loaded before this one's update, so its
-    # load is in flight while this head computes and stores (the registers hold two state slices).
-    heads = [head_block * heads_per_program + i for i in range(heads_per_program)]
-    state = pool_ref[safe, heads[0], :, cols]
-    for i, head in enumerate(heads):
-        following = pool_ref[safe, heads[i + 1], :, cols] if i + 1 < len(heads) else None
-        update(head, state)
-        state = following
+    q, k, g, beta = token_factors(
+        qkv_ref[row, pl.ds(head * K, K)], qkv_ref[row, pl.ds(H * K + head * K, K)],
+        a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale,
+        gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+    v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
+    state = pool_ref[safe, head, :, cols]
+    state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
+    o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+    pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                heads_per_program=1, out_dtype=None, interpret=False):
+                out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
-    heads_per_program > 1: each program updates that many heads one after another, loading the next head's state
-    before updating the current one (grid B x H / heads_per_program x V / block_v; an experiment for
-    `benchmarks/kda_kernels.py --sweep`, not timed yet, not a default).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
@@ -112,16 +92,14 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
-    if heads_per_program < 1 or H % heads_per_program:
-        raise ValueError(f"heads_per_program={heads_per_program} must divide num_heads={H}")
     kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v,
-                               heads_per_program=heads_per_program, scale=scale, gate_in_kernel=gate_in_kernel,
+                               scale=scale, gate_in_kernel=gate_in_kernel,
                                l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
-        grid=(batch, H // heads_per_program, V // block_v),
+        grid=(batch, H, V // block_v),
         input_output_aliases={6: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -131,6 +109,6 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "heads_per_program",
-                                       "out_dtype", "interpret"))
+                                       "beta_logit", "block_v", "num_warps", "out_dtype",
+                                       "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."
