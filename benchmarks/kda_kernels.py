@@ -1,7 +1,7 @@
 """KDA kernel benchmark on one GPU: ours (Pallas, and XLA) against fla-core 0.6.0 (Triton), same run, same inputs.
 
     python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches B ...]
-                                     [--tune [--ncu]]
+                                     [--tune [--ncu] [--tune-only WORD ...]]
 
 Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel, fp32 state out):
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
@@ -49,7 +49,13 @@ H, K, V = 32, 128, 128
 PREFILL_SHAPES = [(1, 4096), (1, 16384), (1, 32768), (8, 4096)]
 DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_STEPS = 64
+# `scores` launch variants --tune times (programs, num_warps, block_k); the first is the default
+SCORES_VARIANTS = (("halves", 1, 16), ("halves", 1, 32), ("chunk", 1, 32), ("chunk", 1, 16), ("rows", 1, 16))
 DECODE_BLOCK_V, DECODE_WARPS = None, None  # defaults of pallas_ops.packed_decode_kda: by batch (decode_tile)
+
+
+def scores_variant_name(programs: str, warps: int, block_k: int) -> str:
+    return f"scores {programs} w{warps} block_k={block_k}"
 
 
 def log(*a):
@@ -344,17 +350,20 @@ def bench_decode(B, args, results, copy_bw):
     results.append(row)
 
 
-def tune_prefill(ncu=False):
+def tune_prefill(ncu=False, only=None):
     """Times the prefill kernels separately for launch variants (B=8, T=4096), then fla's kernels on the same
     inputs (torch.profiler), then exits. ncu: each variant runs twice untimed (and fla's chunk_kda three times,
     then both decode kernels: `ncu_decode`), for Nsight Compute to profile every launch; the log names the
-    launches in order."""
+    launches in order. only: the variants whose name contains one of these words (fla's kernels: "fla"; with ncu, the decode
+    kernels: "decode")."""
     from MaxText.kernels.kda import pallas_chunk
     B, T = 8, 4096
     q, k, v, g, beta = (to_jax(t).reshape(B * T, *t.shape[2:]) for t in prefill_inputs(B, T, seed=1))
     intra_kw = dict(scale=K ** -0.5, l2norm=True, gate=False)
 
     def timed(name, fn, *args):
+        if only and not any(word in name for word in only):
+            return
         jitted = jax.jit(fn)
         try:
             if ncu:
@@ -373,9 +382,10 @@ def tune_prefill(ncu=False):
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
     diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for warps, block_k in ((1, 32), (2, 32), (1, 16), (1, 64)):
-        timed(f"scores warps={warps} block_k={block_k}",
-              lambda *a, w=warps, bk=block_k: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w, block_k=bk),
+    for programs, warps, block_k in SCORES_VARIANTS:
+        timed(scores_variant_name(programs, warps, block_k),
+              lambda *a, p=programs, w=warps, bk=block_k: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w,
+                                                                               block_k=bk, programs=p),
               qn, kn, G, diag_blocks)
     _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
     for warps, dtype in ((1, jnp.bfloat16), (2, jnp.bfloat16), (1, jnp.float32)):
@@ -396,8 +406,9 @@ def tune_prefill(ncu=False):
             f = lambda *a, bv=bv, w=nw, s=ns: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16, block_v=bv,  # noqa
                                                                       num_warps=w, num_stages=s)
             timed(f"recurrence rows={rows} bv={bv} warps={nw} stages={ns}", f, *seq, h0, offs)
-    guarded(fla_prefill_kernels, B, T, ncu=ncu)
-    if ncu:
+    if not only or any("fla" in word for word in only):
+        guarded(fla_prefill_kernels, B, T, ncu=ncu)
+    if ncu and (not only or any("decode" in word for word in only)):
         for batch in (64, 256):
             guarded(ncu_decode, batch)
 
@@ -429,6 +440,14 @@ def fla_prefill_kernels(B, T, calls=5, top=12, ncu=False):
     log(f"  tune B={B} T={T} fla chunk_kda, all kernels: {sum(device_us(e) for e in events) / calls / 1e3:.3f} ms")
     for e in sorted(events, key=device_us, reverse=True)[:top]:
         log(f"  tune B={B} T={T} fla {e.key[:90]}: {device_us(e) / calls / 1e3:.3f} ms ({e.count // calls} per call)")
+    from fla.ops.kda import chunk_intra, chunk_intra_token_parallel, wy_fast
+    for kernel in (chunk_intra_token_parallel.chunk_kda_fwd_kernel_intra_token_parallel,
+                   chunk_intra.chunk_kda_fwd_kernel_inter_solve_fused, wy_fast.recompute_w_u_fwd_kda_kernel):
+        chain = [kernel]  # Heuristics -> Autotuner -> JITFunction, each wrapping the next as .fn
+        while hasattr(chain[-1], "fn"):
+            chain.append(chain[-1].fn)
+        best = next((getattr(k, "best_config") for k in chain if hasattr(k, "best_config")), "?")
+        log(f"  tune fla {getattr(chain[-1], '__name__', chain[-1])} autotuned to: {best}")
 
 
 def guarded(fn, *args, **kwargs):
@@ -453,11 +472,16 @@ def main():
                         help="time the prefill kernels separately and fla's (torch.profiler), then exit")
     parser.add_argument("--ncu", action="store_true",
                         help="with --tune: run every kernel variant a few times untimed, for Nsight Compute")
+    parser.add_argument("--tune-only", nargs="+", default=None, metavar="WORD",
+                        help="with --tune: only the variants whose name contains one of these words (e.g. scores "
+                             "fla)")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=None,
                         help=f"decode batch sizes to time (default {DECODE_BATCHES}; --quick: the first two)")
     args = parser.parse_args()
+    if args.tune_only and not args.tune:
+        parser.error("--tune-only needs --tune")
     if args.tune:
-        return tune_prefill(ncu=args.ncu)
+        return tune_prefill(ncu=args.ncu, only=args.tune_only)
     import torch
     import triton
     import fla

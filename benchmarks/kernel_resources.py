@@ -30,6 +30,8 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.kda_kernels import SCORES_VARIANTS, scores_variant_name  # noqa: E402
+
 H, K, V, TOKENS = 32, 128, 128, 8 * 4096  # the --tune shape of benchmarks/kda_kernels.py
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM = 65536, 232448, 32, 64  # sm_90
 
@@ -69,9 +71,10 @@ def kernel_variants():
         "diag": (1, 1, lambda *a: pc.diag(*a, scale=0.1), (q, q, G)),
         "wy_inverse": (1, 1, lambda *a: pc.wy_inverse(*a, dtype=bf), (akk, beta)),
     }
-    for warps, block_k in ((1, 32), (2, 32), (1, 16), (1, 64)):
-        variants[f"scores w{warps} block_k={block_k}"] = (
-            warps, 1, lambda *a, w=warps, bk=block_k: pc.scores(*a, scale=0.1, num_warps=w, block_k=bk),
+    for programs, warps, block_k in SCORES_VARIANTS:
+        variants[scores_variant_name(programs, warps, block_k)] = (
+            warps, 1, lambda *a, p=programs, w=warps, bk=block_k: pc.scores(*a, scale=0.1, num_warps=w, block_k=bk,
+                                                                             programs=p),
             (q, q, G, diag_blocks))
     for warps, stages in ((4, 2), (8, 2)):
         variants[f"wu w{warps} stages={stages}"] = (warps, stages, lambda *a, w=warps, s=stages: pc.wu(

@@ -6,12 +6,12 @@ from benchmarks import kernel_resources
 
 def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
     variants = kernel_resources.kernel_variants()
-    assert {"diag", "scores w1 block_k=32", "packed decode bv64 w2"} <= set(variants)
-    for name in ("diag", "scores w1 block_k=32", "packed decode bv64 w2"):
+    assert {"diag", "scores halves w1 block_k=16", "packed decode bv64 w2"} <= set(variants)
+    for name in ("diag", "scores halves w1 block_k=16", "packed decode bv64 w2"):
         _, _, fn, args = variants[name]
         ir = kernel_resources.triton_ir(fn, args)
         assert "tt.func public @kda_" in ir and "tt.load" in ir and "tt.store" in ir, name
-    assert "tt.dot" in kernel_resources.triton_ir(*variants["scores w1 block_k=32"][2:])
+    assert "tt.dot" in kernel_resources.triton_ir(*variants["scores halves w1 block_k=16"][2:])
 
 
 def test_ptxas_report_parsed_into_blocks_per_sm():

@@ -37,14 +37,17 @@ def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state)
     assert_close(s, s_ref)
 
 
-@pytest.mark.parametrize("aligned_keys,block_k", [(False, 32), (True, 32), (False, 16), (True, 16)])
-def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(aligned_keys, block_k):
+@pytest.mark.parametrize("aligned_keys,block_k,programs", [(False, 32, "chunk"), (True, 32, "chunk"),
+                                                          (False, 16, "chunk"), (True, 16, "chunk"),
+                                                          (False, 16, "halves"), (False, 16, "rows")])
+def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(aligned_keys, block_k, programs):
     """`diag` + `scores` give every chunk's A_qk = scale q k^T e^{G_i - G_j} (j <= i) and A_kk, and `wy_inverse`
     (diagonal 16x16 blocks by block size doubling, then the off-diagonal blocks) (I + diag(beta) A_kk)^-1, both
     computed here in float64 from the kernels' own qn, kn, G. Random strong gates make the entries span several
     orders of magnitude; nearly parallel keys without decay and beta ~ 1 make A_kk close to all-ones below the
     diagonal (where a Neumann product of powers loses 5e-4). block_k = 16 of K = 32: the pair products accumulated
-    over two channel blocks; 32: one. NaN where `diag` leaves its blocks unset: `scores` must mask them."""
+    over two channel blocks; 32: one; every split of `scores` into programs. NaN where `diag` leaves its blocks unset:
+    `scores` must mask them."""
     from MaxText.kernels.kda import pallas_chunk
     x = random_kda_inputs(np.random.default_rng(11), 1, 128, 2, 32, 32, raw_gate=True)
     if aligned_keys:
@@ -61,7 +64,8 @@ def test_scores_and_wy_inverse_kernels_give_each_chunks_scores_and_inverse(align
     s_of_t = np.arange(128)[:, None] % 16  # [T, 1] position of token t in its sub-chunk
     diag_blocks = (jnp.where(np.arange(16) > s_of_t, jnp.nan, diag_blocks[0]),
                    jnp.where(np.arange(16) >= s_of_t, jnp.nan, diag_blocks[1]))
-    aqk, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=scale, block_k=block_k, interpret=True)
+    aqk, akk = pallas_chunk.scores(qn, kn, G, diag_blocks, scale=scale, block_k=block_k, programs=programs,
+                                   interpret=True)
     inverse = pallas_chunk.wy_inverse(akk, beta, dtype=jnp.float32, interpret=True)  # [H, T, 64]
     qn, kn, G = (np.asarray(a, np.float64) for a in (qn, kn, G))
     for h in range(2):

@@ -10,11 +10,11 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
 2. `diag` -- token-parallel, per (token t, block of heads): the 16x16 diagonal blocks of A_qk / A_kk (pairs inside
    one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
-3. `scores` -- per (chunk, head, row sub-chunk I): pairs across sub-chunks I > J as tensor-core products
-   accumulated over 32-channel blocks, factored through the sub-chunk boundaries so that every exponent is <= 0
-   (nothing overflows for any gate); writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal
-   ones from `diag` (A_qk's masked above the diagonal; computing them here instead, one key column at a time, took
-   11.4 ms at B=8, T=4096 on an H200 vs 1.0 + 1.5 ms).
+3. `scores` -- two programs per (chunk, head), rows {0, 1, 2} and {3}: pairs across sub-chunks I > J as
+   tensor-core products accumulated over 16-channel blocks, each sub-chunk's operands computed once per block, factored through the sub-chunk boundaries so that
+   every exponent is <= 0 (nothing overflows for any gate); writes A_qk (scaled q) and the blocks j <= i of A_kk
+   (fp32), the diagonal ones from `diag` (A_qk's masked above the diagonal; computing them here instead, one key
+   column at a time, took 11.4 ms at B=8, T=4096 on an H200 vs 1.0 + 1.5 ms).
 4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (stored in q's dtype), built blockwise: the
    diagonal blocks by block size doubling (four steps of two tensor-core products), then the off-diagonal blocks.
    (Scores and inverse in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a
@@ -165,49 +165,69 @@ def _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols):
     return qn_ref[rows, head, cols].astype(F32) * local, kn_ref[rows, head, cols].astype(F32) * local, end_prev
 
 
-def _pair_scores(kn_ref, G_ref, head, t0, j, cols, row_operands, dot, scale):
-    """(A_qk times scale, A_kk) [16, 16] of sub-chunks i > j over the key channels `cols` (`_pair_blocks`)."""
-    q_loc, k_loc, end_prev = row_operands
+def _key_operand(kn_ref, G_ref, head, t0, j, cols):
+    """Key sub-chunk j over the key channels `cols`: k_j e^{end_j - G_j} (fp32, [16, BK]) and end_j [1, BK], G at
+    the end of sub-chunk j."""
     key_rows = pl.ds(t0 + SUB * j, SUB)
-    end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, cols]  # [1, BK]
-    kr = kn_ref[key_rows, head, cols].astype(F32) * jnp.exp(end_j - G_ref[key_rows, head, cols])
-    return _pair_blocks(q_loc, k_loc, jnp.exp(end_prev - end_j), kr, dot, scale)
+    end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, cols]
+    return kn_ref[key_rows, head, cols].astype(F32) * jnp.exp(end_j - G_ref[key_rows, head, cols]), end_j
 
 
-def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, *, program_ids, scale, block_k,
-                   precise, interpret):
-    chunk, head, i = program_ids()  # i: this program's row sub-chunk
+def _store_score_rows(aqkd_ref, akkd_ref, aqk_ref, akk_ref, head, rows, i, pairs, scale):
+    """Row sub-chunk i's [16, 64] of A_qk and A_kk: the pair blocks `pairs[j]` = (A_qk unscaled, A_kk) for j < i, the
+    diagonal block from `diag` (A_qk's entries above the diagonal masked: `diag` leaves them unset; A_kk's stored as
+    is: `wy_inverse` reads only its strictly lower part) and zeros in A_qk above."""
+    row, col = jnp.arange(SUB, dtype=jnp.int32)[:, None], jnp.arange(SUB, dtype=jnp.int32)[None, :]
+    for j in range(NSUB):
+        block = pl.ds(SUB * j, SUB)
+        if j < i:
+            aqk_ref[head, rows, block] = (pairs[j][0] * scale).astype(aqk_ref.dtype)
+            akk_ref[head, rows, block] = pairs[j][1]
+        elif j == i:
+            aqk_ref[head, rows, block] = jnp.where(col <= row, aqkd_ref[head, rows, :], 0.0).astype(aqk_ref.dtype)
+            akk_ref[head, rows, block] = akkd_ref[head, rows, :]
+        else:
+            aqk_ref[head, rows, block] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+
+
+def _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, *, block_k, dot):
+    """The pair blocks (A_qk unscaled, A_kk) [16, 16] fp32 of the rows `row_subchunks` against every key sub-chunk
+    j < i, accumulated over blocks of block_k channels; each sub-chunk's operands (and their exponentials) computed
+    once per channel block. Returns {(i, j): (A_qk, A_kk)}."""
+    pairs = [(i, j) for i in row_subchunks for j in range(i)]
+    if not pairs:
+        return {}
+    key_subchunks = sorted({j for _, j in pairs})
+
+    def accumulate(kb, acc):
+        cols = pl.ds(kb * block_k, block_k)
+        keys = {j: _key_operand(kn_ref, G_ref, head, t0, j, cols) for j in key_subchunks}  # (kr_j, end_j)
+        out = list(acc)
+        for i in sorted({i for i, _ in pairs}):
+            q_loc, k_loc, end_prev = _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols)
+            for j in range(i):
+                n = pairs.index((i, j))
+                part = _pair_blocks(q_loc, k_loc, jnp.exp(end_prev - keys[j][1]), keys[j][0], dot, 1.0)
+                out[n] = (acc[n][0] + part[0], acc[n][1] + part[1])
+        return tuple(out)
+
+    zero = jnp.zeros((SUB, SUB), F32)
+    acc = lax.fori_loop(0, qn_ref.shape[-1] // block_k, accumulate, tuple((zero, zero) for _ in pairs))
+    return dict(zip(pairs, acc))
+
+
+def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, *, program_ids, row_groups, scale,
+                   block_k, precise, interpret):
+    chunk, head, group = program_ids()
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
-    rows = pl.ds(t0 + SUB * i, SUB)
-    row, col = jnp.arange(SUB, dtype=jnp.int32)[:, None], jnp.arange(SUB, dtype=jnp.int32)[None, :]
-    aqk_d = jnp.where(col <= row, aqkd_ref[head, rows, :], 0.0)  # `diag` leaves the entries above unset
-    akk_d = akkd_ref[head, rows, :]  # as is: `wy_inverse` reads only its strictly lower part
-    for j in range(NSUB):
-        @pl.when(j == i)
-        def _diagonal():
-            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = aqk_d.astype(aqk_ref.dtype)
-            akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk_d
-
-        @pl.when(j > i)
-        def _above():
-            aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
-
-    @pl.when(i > 0)
-    def _pairs():
-        for j in range(NSUB - 1):
-            @pl.when(j < i)
-            def _pair():
-                def accumulate(kb, acc):  # [16, block_k] fp32 tiles: whole [16, 128] ones spill at 1-2 warps
-                    cols = pl.ds(kb * block_k, block_k)
-                    part = _pair_scores(kn_ref, G_ref, head, t0, j, cols,
-                                        _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols), dot, 1.0)
-                    return acc[0] + part[0], acc[1] + part[1]
-
-                zero = jnp.zeros((SUB, SUB), F32)
-                aqk, akk = lax.fori_loop(0, qn_ref.shape[-1] // block_k, accumulate, (zero, zero))
-                aqk_ref[head, rows, pl.ds(SUB * j, SUB)] = (aqk * scale).astype(aqk_ref.dtype)
-                akk_ref[head, rows, pl.ds(SUB * j, SUB)] = akk
+    for g, row_subchunks in enumerate(row_groups):
+        @pl.when(group == g)
+        def _rows():
+            pairs = _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, block_k=block_k, dot=dot)
+            for i in row_subchunks:
+                _store_score_rows(aqkd_ref, akkd_ref, aqk_ref, akk_ref, head, pl.ds(t0 + SUB * i, SUB), i,
+                                  {j: pairs[i, j] for j in range(i)}, scale)
 
 
 def _inverse_kernel(akk_ref, beta_ref, inverse_ref, *, precise, interpret):
@@ -233,23 +253,37 @@ def _inverse_kernel(akk_ref, beta_ref, inverse_ref, *, precise, interpret):
             inverse_ref[head, rows, pl.ds(SUB * j, SUB)] = (inv[i, j] if j <= i else zero).astype(inverse_ref.dtype)
 
 
-def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=32, interpret=False):
-    """Kernel 3, one program per (chunk, head, row sub-chunk i): the [16, 16] score blocks of rows i against key
-    sub-chunks j < i (`_pair_blocks`, tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32,
-    accumulated over blocks of block_k key channels) and the diagonal block from `diag_blocks` = `diag`'s (aqk_d,
-    akk_d). The four programs of a (chunk, head), which read the same key sub-chunks, launch one after another
-    (`_reversed_grid`). Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk
-    [H, Ttot, 64] fp32 (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset).
-    H200, B=8, T=4096 (benchmarks/RESULTS.md): 1.27 ms; 1.46 with whole-K products (255 registers, spilling) in
-    grid order."""
+SCORE_ROW_GROUPS = {  # `scores` programs per (chunk, head): the row sub-chunks each one computes
+    "chunk": ((0, 1, 2, 3),),  # all six pairs in one program
+    "halves": ((0, 1, 2), (3,)),  # three pairs each
+    "rows": ((0,), (1,), (2,), (3,)),  # one program per row sub-chunk
+}
+
+
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", interpret=False):
+    """Kernel 3: the [16, 16] score blocks of row sub-chunks i against key sub-chunks j < i (`_pair_blocks`,
+    tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32, accumulated over blocks of block_k key
+    channels, each sub-chunk's operands computed once per channel block) and the diagonal blocks from `diag_blocks`
+    = `diag`'s (aqk_d, akk_d). programs: how the four row sub-chunks of a (chunk, head) split into programs
+    (SCORE_ROW_GROUPS); a (chunk, head)'s programs, which read the same key sub-chunks, launch one after another
+    (`_reversed_grid`).
+    Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32
+    (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset).
+    H200, B=8, T=4096 (benchmarks/RESULTS.md): "halves" at 16 channels 1.09 ms (168 registers, no spills); "chunk"
+    1.09 at 32 channels (spilling ~470 bytes), 1.19 at 16; "rows" 1.31 / 1.98; 2 warps replicate the 16 x 16 tiles
+    (1.72 ms); one program per row sub-chunk computing each pair's operands anew (the old default) 1.29."""
     total, H, K = qn.shape
     block_k = min(block_k, K)
     if block_k < 16 or K % block_k:
         raise ValueError(f"block_k={block_k} must divide the key head dim K={K} and be >= 16")
-    grid, program_ids = _reversed_grid((total // CHUNK, H, NSUB))
+    if programs not in SCORE_ROW_GROUPS:
+        raise ValueError(f"programs={programs!r}: expected one of {sorted(SCORE_ROW_GROUPS)}")
+    row_groups = SCORE_ROW_GROUPS[programs]
+    grid, program_ids = _reversed_grid((total // CHUNK, H, len(row_groups)))
+    kernel = functools.partial(_scores_kernel, program_ids=program_ids, row_groups=row_groups, scale=scale,
+                               block_k=block_k, precise=qn.dtype == F32, interpret=interpret)
     return pl.pallas_call(
-        functools.partial(_scores_kernel, program_ids=program_ids, scale=scale, block_k=block_k,
-                          precise=qn.dtype == F32, interpret=interpret),
+        kernel,
         out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
         grid=grid, compiler_params=_params(num_warps), interpret=interpret,
         name="kda_chunk_scores")(qn, kn, G, *diag_blocks)
