@@ -24,12 +24,15 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            on the same params, e.g. fused_projections=true): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
+           Every output of the step is written in place of a donated input (cache, tokens, the running expert
+           counts): the buffers keep their addresses from step to step, so XLA replays the step's CUDA graphs
+           without re-recording them.
            The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
            meet); `synced` = median of --synced-steps steps each waited for (adds dispatch).
-           The step also counts the distinct experts each MoE layer's router chose (captured Router outputs), and
-           the roofline uses those counts. (Engine's decode runs all steps in one while_loop, which gives neither a
+           The step also adds up the distinct experts each MoE layer's router chose (captured Router outputs),
+           and the roofline uses their mean over the timed steps. (Engine's decode runs all steps in one while_loop, which gives neither a
            per-step time nor a one-step profile; this step is Engine's step_fn as a program of its own.)
   profile  --profile-steps decode steps under jax.profiler for every decode setting; the trace's device kernels
            summed by HLO op, and by model component (kda/q_proj, moe/experts, ...) through the compiled HLO's
@@ -483,13 +486,21 @@ def run_prefill(setup: Setup, args, results) -> Any:
     return cache
 
 
+def outputs_in_place(compiled) -> bool:
+    """Whether every output of a compiled program is written in place of a donated input (XLA's input_output_alias:
+    buffers that keep their addresses from call to call)."""
+    header = compiled.as_text().split("\n", 1)[0]
+    return len(re.findall(r"\{[\d,]*\}: \(\d+", header)) == compiled.out_tree.num_leaves
+
+
 def _is_router_call(module, method_name: str) -> bool:
     return isinstance(module, Router) and method_name == "__call__"
 
 
 def make_decode_step(model, num_experts: int):
-    def decode_step(params, cache, tokens):
-        """tokens [B] -> (greedy next tokens [B] int32, distinct experts chosen per MoE layer [n_moe] int32, cache)."""
+    def decode_step(params, cache, tokens, distinct_sum):
+        """tokens [B], distinct_sum [n_moe] int32 -> (greedy next tokens [B] int32, distinct_sum + the distinct
+        experts chosen per MoE layer in this step, cache)."""
         logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
                                         model_mode="autoregressive", mutable=["cache", "intermediates"],
                                         capture_intermediates=_is_router_call)
@@ -498,7 +509,7 @@ def make_decode_step(model, num_experts: int):
         distinct = [jnp.sum(jnp.zeros((num_experts,), jnp.bool_).at[output[0][1].reshape(-1)].set(True),
                             dtype=jnp.int32) for _, output in by_layer]  # output: ((weights, expert ids),)
         distinct = jnp.stack(distinct) if distinct else jnp.zeros((0,), jnp.int32)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), distinct, variables["cache"]
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), distinct_sum + distinct, variables["cache"]
     return decode_step
 
 
@@ -552,35 +563,40 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
     cache_shardings = setup.cache_shardings(batch)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
+    counts = jax.device_put(np.zeros((config.mlp_types.count("moe"),), np.int32), replicated)  # distinct_sum
     step, compile_s = setup.compile(
-        make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens),
-        in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1)),
-        out_shardings=(setup.rows(1), replicated, cache_shardings), donate_argnums=(1,))
+        make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens, counts),
+        in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1), replicated),
+        out_shardings=(setup.rows(1), replicated, cache_shardings), donate_argnums=(1, 2, 3))
     log(f"decode {setting}: compiled in {compile_s:.1f} s")
+    in_place = outputs_in_place(step)
+    if not in_place:
+        log(f"decode {setting}: XLA did not write every output in place of a donated input (new buffers each step: "
+            f"CUDA graphs touching them are re-recorded)")
 
     for _ in range(args.warmup):
-        tokens, _, cache = step(setup.params, cache, tokens)
-    jax.block_until_ready((tokens, cache))
-    blocks, issued, distinct = [], [], []
+        tokens, counts, cache = step(setup.params, cache, tokens, counts)
+    timed_from = np.asarray(counts)
+    blocks, issued = [], []
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
         start = time.perf_counter()
         for _ in range(args.steps):
-            tokens, counts, cache = step(setup.params, cache, tokens)
-            distinct.append(counts)
+            tokens, counts, cache = step(setup.params, cache, tokens, counts)
         issued.append((time.perf_counter() - start) / args.steps)  # host time to issue a step
-        jax.block_until_ready((tokens, cache))
+        jax.block_until_ready((tokens, counts, cache))
         blocks.append((time.perf_counter() - start) / args.steps)
+    per_layer = (np.asarray(counts) - timed_from) / (args.repeats * args.steps)
     synced = []
     for _ in range(args.synced_steps):
         start = time.perf_counter()
-        tokens, _, cache = jax.block_until_ready(step(setup.params, cache, tokens))
+        tokens, counts, cache = jax.block_until_ready(step(setup.params, cache, tokens, counts))
         synced.append(time.perf_counter() - start)
     tpot = statistics.median(blocks)
-    per_layer = np.mean(np.stack([np.asarray(c) for c in distinct]), axis=0)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
     row = {"batch": batch, "moe": moe, "variant": variant, "moe_impl": moe_implementation(config, setup.mesh),
            "dense_impl": dense_implementation(config, setup.mesh, batch),
-           "fused_projections": bool(config.fused_projections), "context": args.prompt_len,
+           "fused_projections": bool(config.fused_projections), "outputs_in_place": in_place,
+           "context": args.prompt_len,
            "cache": "prefill" if prefilled is not None else "synthetic", "compile_s": compile_s,
            "tpot_ms": tpot * 1e3, "tokens_per_s": batch / tpot,
            "block_ms": [b * 1e3 for b in blocks], "dispatch_ms": statistics.median(issued) * 1e3,
@@ -604,18 +620,18 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
             f"measured counts")
     if profile and args.profile_steps:
-        row["profile"] = profile_decode(step, setup, cache, tokens, args, config, tpot, f"b{batch}_{moe}")
+        row["profile"] = profile_decode(step, setup, cache, tokens, counts, args, config, tpot, f"b{batch}_{moe}")
     return row
 
 
-def profile_decode(step, setup: Setup, cache, tokens, args, config, step_seconds: float, tag: str) -> dict:
+def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step_seconds: float, tag: str) -> dict:
     """Traces --profile-steps decode steps and returns the per-op breakdown (or {'error': why} when parsing fails)."""
     trace_dir = os.path.join(args.trace_dir, tag) if args.trace_dir else tempfile.mkdtemp(prefix="model_decode_")
     try:
         with jax.profiler.trace(trace_dir):
             for _ in range(args.profile_steps):
-                tokens, _, cache = step(setup.params, cache, tokens)
-            jax.block_until_ready((tokens, cache))
+                tokens, counts, cache = step(setup.params, cache, tokens, counts)
+            jax.block_until_ready((tokens, counts, cache))
         op_times = device_op_times(find_xplane(trace_dir), DECODE_MODULE, jax.default_backend() != "cpu")
         if not op_times.nanoseconds:
             raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")

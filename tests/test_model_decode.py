@@ -115,6 +115,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3)
         # Issuing a block of steps ends before waiting for it: the host's share of a step is at most its time.
         assert 0 < row["dispatch_ms"] <= row["tpot_ms"]
+        assert row["outputs_in_place"]  # cache, tokens and expert counts all donated and aliased
         # The router's choices, counted inside the step: top-2 of 8 experts for each of 3 MoE layers.
         assert len(row["distinct_experts_per_layer"]) == 3
         assert all(2 <= d <= min(8, 2 * row["batch"]) for d in row["distinct_experts_per_layer"])

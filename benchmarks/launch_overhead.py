@@ -1,0 +1,117 @@
+"""Host time to issue one jitted program of N small kernels, by kernel kind, under this process's XLA_FLAGS.
+
+    python benchmarks/launch_overhead.py [--kernels N] [--calls M] [--kinds xla pallas mixed] [--out DIR]
+
+Why: at batch 1 the 48B decode step (~1300 kernels) is bound by the host's time to issue it (benchmarks/RESULTS.md,
+issue 8). This isolates the runtime's cost per kernel: each program is a chain of N dependent kernels on a
+[8, 128] fp32 array (donated, updated in place), of one kind:
+  xla     N elementwise XLA fusions (kept apart by optimization barriers);
+  pallas  N Pallas (Triton lowering) kernels;
+  mixed   N / 2 of each, alternating (an XLA fusion between Pallas calls, as in the model).
+Per kind: `issue` = host time per call while M calls are issued back to back (median of 5 blocks), `wall` = wall
+time per call including the final sync, both also per kernel; and the result is checked (x + N after one call).
+XLA_FLAGS are read at start-up: run once per setting, e.g. `XLA_FLAGS=--xla_gpu_enable_command_buffer=` (no CUDA
+graphs). Prints one line per kind and writes launch_overhead.json to --out (default $OUT or .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+KINDS = ("xla", "pallas", "mixed")
+
+
+def _add_one_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def pallas_add_one(x, interpret):
+    return pl.pallas_call(_add_one_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          input_output_aliases={0: 0}, interpret=interpret, name="launch_probe")(x)
+
+
+def xla_add_one(x):
+    return jax.lax.optimization_barrier(x + 1.0)
+
+
+def chain(kind: str, kernels: int, interpret: bool):
+    """A jitted x -> x + kernels made of `kernels` dependent kernels of `kind`, x donated."""
+    steps = {"xla": [xla_add_one] * kernels,
+             "pallas": [lambda x: pallas_add_one(x, interpret)] * kernels,
+             "mixed": [xla_add_one if i % 2 else (lambda x: pallas_add_one(x, interpret)) for i in range(kernels)]}
+    if kind not in steps:
+        raise ValueError(f"kind {kind!r}: expected one of {KINDS}")
+
+    def run(x):
+        for step in steps[kind]:
+            x = step(x)
+        return x
+    return jax.jit(run, donate_argnums=0)
+
+
+def measure(kind: str, kernels: int, calls: int, blocks: int = 5) -> dict:
+    interpret = jax.default_backend() == "cpu"
+    fn = chain(kind, kernels, interpret)
+    x = jnp.zeros((8, 128), jnp.float32)
+    x = fn(x)
+    got = float(np.asarray(x)[0, 0])
+    if got != kernels:
+        raise AssertionError(f"{kind}: one call gave {got}, expected {kernels}")
+    for _ in range(3):
+        x = fn(x)
+    jax.block_until_ready(x)
+    issue, wall = [], []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(calls):
+            x = fn(x)
+        issue.append((time.perf_counter() - start) / calls)
+        jax.block_until_ready(x)
+        wall.append((time.perf_counter() - start) / calls)
+    issue_s, wall_s = statistics.median(issue), statistics.median(wall)
+    return {"kind": kind, "kernels": kernels, "calls": calls, "issue_us": issue_s * 1e6, "wall_us": wall_s * 1e6,
+            "issue_us_per_kernel": issue_s * 1e6 / kernels, "wall_us_per_kernel": wall_s * 1e6 / kernels}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", type=int, default=256, help="kernels per program (N)")
+    parser.add_argument("--calls", type=int, default=50, help="calls issued back to back per timed block (M)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    if args.kernels < 2 or args.calls < 1:
+        parser.error(f"--kernels {args.kernels} must be >= 2 and --calls {args.calls} >= 1")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, XLA_FLAGS={flags!r}", flush=True)
+    rows = []
+    for kind in args.kinds:
+        row = measure(kind, args.kernels, args.calls)
+        rows.append(row)
+        print(f"{kind:7s} {args.kernels} kernels: issue {row['issue_us']:9.1f} us/call "
+              f"({row['issue_us_per_kernel']:.2f} us/kernel), wall {row['wall_us']:9.1f} us/call "
+              f"({row['wall_us_per_kernel']:.2f} us/kernel)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "launch_overhead.json"), "w") as f:
+        json.dump({"xla_flags": flags, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
