@@ -261,11 +261,12 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
 
 
 def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch):
-    """linears.MLP with fused_projections: gate_proj and up_proj (same params) in one dense_matmul call, down_proj
-    alone; the output is the unfused MLP's."""
+    """linears.MLP with fused_projections (the default): gate_proj and up_proj (same params) in one dense_matmul call,
+    down_proj alone; the output is the unfused MLP's."""
     from MaxText import pyconfig
     from MaxText.layers.linears import MLP
-    plain = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16"]), 128)
+    plain = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
+                                                                   "fused_projections=false"]), 128)
     fused = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
                                                                    "fused_projections=true"]), 128)
     x = jnp.asarray(np.random.default_rng(6).normal(size=(1, 1, 256)), jnp.bfloat16)

@@ -96,7 +96,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     xla_flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()  # compiles faster
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_decode.py"), "--smoke", "--out",
-                           str(tmp_path), "--decode-variants", "", "fused_projections=true"], cwd=REPO, env=env,
+                           str(tmp_path), "--decode-variants", "", "fused_projections=false"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "model_decode.json").read_text())
@@ -106,10 +106,10 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert results["prefill"]["prompt_len"] == 64 and results["prefill"]["chunk"] == 32
     assert results["prefill"]["tokens_per_s"] > 0
     assert [(r["batch"], r["moe"], r["moe_impl"], r["dense_impl"], r["variant"], r["fused_projections"])
-            for r in results["decode"]] == [(1, "auto", "gather", "xla", "", False),
-                                            (1, "auto", "gather", "xla", "fused_projections=true", True),
-                                            (2, "auto", "gather", "xla", "", False),
-                                            (2, "auto", "gather", "xla", "fused_projections=true", True)]
+            for r in results["decode"]] == [(1, "auto", "gather", "xla", "", True),
+                                            (1, "auto", "gather", "xla", "fused_projections=false", False),
+                                            (2, "auto", "gather", "xla", "", True),
+                                            (2, "auto", "gather", "xla", "fused_projections=false", False)]
     for row in results["decode"]:
         assert row["tpot_ms"] > 0 and row["roofline_ms"] > 0 and row["cache"] == "prefill"
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3)
@@ -126,7 +126,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
-                       "### Profile, batch 2, moe auto (gather)", "| 2 | auto (gather), fused_projections=true |"):
+                       "### Profile, batch 2, moe auto (gather)", "| 2 | auto (gather), fused_projections=false |"):
         assert table_text in proc.stdout
 
 
