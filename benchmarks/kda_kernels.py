@@ -49,13 +49,15 @@ H, K, V = 32, 128, 128
 PREFILL_SHAPES = [(1, 4096), (1, 16384), (1, 32768), (8, 4096)]
 DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_STEPS = 64
-# `scores` launch variants --tune times (programs, num_warps, block_k); the first is the default
-SCORES_VARIANTS = (("halves", 1, 16), ("halves", 1, 32), ("chunk", 1, 32), ("chunk", 1, 16), ("rows", 1, 16))
+# `scores` launch variants --tune times (keyword arguments of pallas_chunk.scores); the first is the default
+SCORES_VARIANTS = tuple(dict(programs=p, num_warps=1, block_k=bk, num_stages=stages) for p, bk, stages in (
+    ("halves", 16, 1), ("halves", 16, 2), ("halves", 16, 3), ("halves", 32, 2), ("chunk", 32, 1), ("chunk", 16, 2),
+    ("rows", 16, 2)))
 DECODE_BLOCK_V, DECODE_WARPS = None, None  # defaults of pallas_ops.packed_decode_kda: by batch (decode_tile)
 
 
-def scores_variant_name(programs: str, warps: int, block_k: int) -> str:
-    return f"scores {programs} w{warps} block_k={block_k}"
+def scores_variant_name(programs: str, num_warps: int, block_k: int, num_stages: int) -> str:
+    return f"scores {programs} w{num_warps} block_k={block_k}" + (f" stages={num_stages}" if num_stages > 1 else "")
 
 
 def log(*a):
@@ -382,10 +384,8 @@ def tune_prefill(ncu=False, only=None):
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
     diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
-    for programs, warps, block_k in SCORES_VARIANTS:
-        timed(scores_variant_name(programs, warps, block_k),
-              lambda *a, p=programs, w=warps, bk=block_k: pallas_chunk.scores(*a, scale=K ** -0.5, num_warps=w,
-                                                                               block_k=bk, programs=p),
+    for options in SCORES_VARIANTS:
+        timed(scores_variant_name(**options), lambda *a, o=options: pallas_chunk.scores(*a, scale=K ** -0.5, **o),
               qn, kn, G, diag_blocks)
     _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
     for warps, dtype in ((1, jnp.bfloat16), (2, jnp.bfloat16), (1, jnp.float32)):

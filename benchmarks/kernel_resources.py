@@ -71,11 +71,9 @@ def kernel_variants():
         "diag": (1, 1, lambda *a: pc.diag(*a, scale=0.1), (q, q, G)),
         "wy_inverse": (1, 1, lambda *a: pc.wy_inverse(*a, dtype=bf), (akk, beta)),
     }
-    for programs, warps, block_k in SCORES_VARIANTS:
-        variants[scores_variant_name(programs, warps, block_k)] = (
-            warps, 1, lambda *a, p=programs, w=warps, bk=block_k: pc.scores(*a, scale=0.1, num_warps=w, block_k=bk,
-                                                                             programs=p),
-            (q, q, G, diag_blocks))
+    for options in SCORES_VARIANTS:
+        variants[scores_variant_name(**options)] = (options["num_warps"], options["num_stages"], lambda *a, o=options: (
+            pc.scores(*a, scale=0.1, **o)), (q, q, G, diag_blocks))
     for warps, stages in ((4, 2), (8, 2)):
         variants[f"wu w{warps} stages={stages}"] = (warps, stages, lambda *a, w=warps, s=stages: pc.wu(
             *a, scale=0.1, num_warps=w, num_stages=s), (q, q, G, q, beta, S((H, TOKENS, 64), bf)))

@@ -260,7 +260,8 @@ SCORE_ROW_GROUPS = {  # `scores` programs per (chunk, head): the row sub-chunks 
 }
 
 
-def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", interpret=False):
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", num_stages=1,
+           interpret=False):
     """Kernel 3: the [16, 16] score blocks of row sub-chunks i against key sub-chunks j < i (`_pair_blocks`,
     tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32, accumulated over blocks of block_k key
     channels, each sub-chunk's operands computed once per channel block) and the diagonal blocks from `diag_blocks`
@@ -271,7 +272,9 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="
     (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset).
     H200, B=8, T=4096 (benchmarks/RESULTS.md): "halves" at 16 channels 1.09 ms (168 registers, no spills); "chunk"
     1.09 at 32 channels (spilling ~470 bytes), 1.19 at 16; "rows" 1.31 / 1.98; 2 warps replicate the 16 x 16 tiles
-    (1.72 ms); one program per row sub-chunk computing each pair's operands anew (the old default) 1.29."""
+    (1.72 ms); one program per row sub-chunk computing each pair's operands anew (the old default) 1.29.
+    Nsight Compute: every variant waits on its loads (long-scoreboard stalls 60-73% of the cycles, 12-15%
+    occupancy); num_stages > 1 lets Triton prefetch the next channel block's operands (not yet timed)."""
     total, H, K = qn.shape
     block_k = min(block_k, K)
     if block_k < 16 or K % block_k:
@@ -285,7 +288,7 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
-        grid=grid, compiler_params=_params(num_warps), interpret=interpret,
+        grid=grid, compiler_params=_params(num_warps, num_stages), interpret=interpret,
         name="kda_chunk_scores")(qn, kn, G, *diag_blocks)
 
 
