@@ -29,7 +29,9 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    (with bf16 inputs S enters the tensor-core products as bf16, as in fla-core, accumulating in fp32; with fp32
    inputs every intermediate stays fp32 and the products use 3-pass tf32, about fp32 accuracy).
 
-All run under `interpret=True` on CPU (the tests do, at small shapes). Per-kernel times and the open gap to fla-core:
+Exponentials go through `pallas_exp.exp` (exp2 with a multiply: one MUFU.EX2 and one FMUL per element where
+`jnp.exp` lowers to libdevice's ~9-instruction `__nv_expf`). All run under `interpret=True` on CPU (the tests do, at
+small shapes). Per-kernel times and the open gap to fla-core:
 benchmarks/RESULTS.md (`python benchmarks/kda_kernels.py --tune`).
 """
 
@@ -43,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from MaxText.kernels import pallas_exp
 from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
 from MaxText.kernels.pallas_dot import dot as _dot
 
@@ -105,7 +108,7 @@ def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, 
     G_t = G_ref[t, heads, :]
 
     def score(j, carry):  # key token j <= t of the same sub-chunk: exact per-channel decay e^{G_t - G_j} <= 1
-        k_dec = kn_ref[j, heads, :].astype(F32) * jnp.exp(G_t - G_ref[j, heads, :])  # [BH, K]
+        k_dec = kn_ref[j, heads, :].astype(F32) * pallas_exp.exp(G_t - G_ref[j, heads, :])  # [BH, K]
         aqk_ref[heads, t, j - first] = jnp.sum(q_t * k_dec, axis=1) * scale  # [BH]
         akk_ref[heads, t, j - first] = jnp.sum(k_t * k_dec, axis=1)  # at j = t too: `scores` keeps j < t only
         return carry
@@ -161,7 +164,7 @@ def _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols):
     end_{i-1} [1, BK], G at the end of sub-chunk i - 1."""
     rows = pl.ds(t0 + SUB * i, SUB)
     end_prev = G_ref[pl.ds(t0 + SUB * i - 1, 1), head, cols]
-    local = jnp.exp(G_ref[rows, head, cols] - end_prev)
+    local = pallas_exp.exp(G_ref[rows, head, cols] - end_prev)
     return qn_ref[rows, head, cols].astype(F32) * local, kn_ref[rows, head, cols].astype(F32) * local, end_prev
 
 
@@ -170,7 +173,7 @@ def _key_operand(kn_ref, G_ref, head, t0, j, cols):
     the end of sub-chunk j."""
     key_rows = pl.ds(t0 + SUB * j, SUB)
     end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, cols]
-    return kn_ref[key_rows, head, cols].astype(F32) * jnp.exp(end_j - G_ref[key_rows, head, cols]), end_j
+    return kn_ref[key_rows, head, cols].astype(F32) * pallas_exp.exp(end_j - G_ref[key_rows, head, cols]), end_j
 
 
 def _store_score_rows(aqkd_ref, akkd_ref, aqk_ref, akk_ref, head, rows, i, pairs, scale):
@@ -207,7 +210,7 @@ def _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, *, block_k, dot)
             q_loc, k_loc, end_prev = _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols)
             for j in range(i):
                 n = pairs.index((i, j))
-                part = _pair_blocks(q_loc, k_loc, jnp.exp(end_prev - keys[j][1]), keys[j][0], dot, 1.0)
+                part = _pair_blocks(q_loc, k_loc, pallas_exp.exp(end_prev - keys[j][1]), keys[j][0], dot, 1.0)
                 out[n] = (acc[n][0] + part[0], acc[n][1] + part[1])
         return tuple(out)
 
@@ -315,10 +318,10 @@ def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, bloc
         G = G_ref[rows, head, cols]  # [C, BW]
         g_last = G_ref[pl.ds(chunk * CHUNK + CHUNK - 1, 1), head, cols]  # [1, BW]
         glast_ref[head, pl.ds(chunk, 1), cols] = g_last
-        e_G = jnp.exp(G)
+        e_G = pallas_exp.exp(G)
         qg_ref[head, rows, cols] = (qn_ref[rows, head, cols].astype(F32) * e_G * scale).astype(qg_ref.dtype)
         k = kn_ref[rows, head, cols].astype(F32)
-        kg_ref[head, rows, cols] = (k * jnp.exp(g_last - G)).astype(kg_ref.dtype)
+        kg_ref[head, rows, cols] = (k * pallas_exp.exp(g_last - G)).astype(kg_ref.dtype)
         w_ref[head, rows, cols] = dot(inverse, (beta * k * e_G).astype(inverse.dtype)).astype(w_ref.dtype)
 
     @pl.when(block < head_v // block_cols)
@@ -408,7 +411,7 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref,
         v_op = v_new.astype(qg_ref.dtype)
         o = mm(qg_ref[head, rows, :], s_op) + mm(aqk_ref[head, rows, :], v_op)  # [C, BV]
         o_ref[rows, head, cols] = o.astype(o_ref.dtype)
-        decay = jnp.exp(glast_ref[head, c, :])  # [K]
+        decay = pallas_exp.exp(glast_ref[head, c, :])  # [K]
         return state * decay[:, None] + mm(kg_ref[head, rows, :], v_op, trans_a=True)
 
     state = lax.fori_loop(first, last, body, h0_ref[seq, head, :, cols])

@@ -1,0 +1,24 @@
+"""The exponential used inside the Pallas (Triton lowering) kernels.
+
+`jnp.exp` in a Pallas Triton kernel lowers to libdevice's `__nv_expf` (float32): an accurate range reduction of
+about nine instructions around one MUFU.EX2 per element. `exp` here is `exp2(x log2 e)`, which lowers to one
+multiply and one MUFU.EX2 (`ex2.approx`, ~2 ulp), as Triton's own `tl.exp` and fla-core's kernels do. The KDA
+prefill kernels use it (diag, scores, wu, recurrence): `diag` and `scores` evaluate many exponentials per loaded
+element and are bound by their instruction count (Nsight Compute: `diag` at 74% of the SM's issue rate); their SASS
+falls from 448 to 328 (`diag`) and from 2704 to 2072 (`scores`) instructions (benchmarks/kernel_resources.py,
+sm_90a). Not yet timed on the GPU. The memory-bound decode kernels keep `jnp.exp`.
+The kernels call `pallas_exp.exp` through the module, so a benchmark can swap in `jnp.exp` to time both
+(`benchmarks/kda_kernels.py --tune`: the "libdevice exp" rows).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+LOG2E = 1.4426950408889634  # log2(e)
+
+
+def exp(x):
+    """e^x as exp2(x log2 e) (float32 inputs in the kernels; relative error ~1e-7 plus |x| * 6e-8 from the
+    multiply's rounding)."""
+    return jnp.exp2(x * LOG2E)
