@@ -24,9 +24,9 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            on the same params, e.g. fused_projections=true): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
-           Every output of the step is written in place of a donated input (cache, tokens, the running expert
-           counts): the buffers keep their addresses from step to step, so XLA replays the step's CUDA graphs
-           without re-recording them.
+           Every output of the step is written in place of its own donated input (cache, tokens, the running
+           expert counts): the buffers keep their addresses from step to step, so XLA can replay the step's CUDA
+           graphs without re-recording them.
            The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
@@ -443,10 +443,11 @@ def measure_copy_bandwidth(small: bool) -> dict[str, float]:
 
 def make_prefill_chunk(model):
     def prefill_chunk(params, cache, tokens):
-        """tokens [B, C] continue `cache` -> (greedy next token [B] int32 after the last position, the new cache)."""
+        """tokens [B, C] continue `cache` -> (the new cache, greedy next token [B] int32 after the last position);
+        the cache first, as it comes in: see `make_decode_step`."""
         logits, variables = model.apply({"params": params, "cache": cache}, tokens, model_mode="prefill",
                                         logits_to_keep=1, mutable=["cache"])
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), variables["cache"]
+        return variables["cache"], jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     return prefill_chunk
 
 
@@ -467,14 +468,14 @@ def run_prefill(setup: Setup, args, results) -> Any:
     step, compile_s = setup.compile(
         make_prefill_chunk(KimiLinearForCausalLM(config)), (setup.params, zeros(), chunks[0]),
         in_shardings=(setup.param_shardings, cache_shardings, setup.rows(2)),
-        out_shardings=(setup.rows(1), cache_shardings), donate_argnums=(1,))
+        out_shardings=(cache_shardings, setup.rows(1)), donate_argnums=(1,))
     log(f"prefill: compiled a {chunk}-token chunk step (moe {config.moe_grouped_matmul}) in {compile_s:.1f} s")
     times = []
     for run in range(1 + args.prefill_repeats):
         cache = jax.block_until_ready(zeros())
         start = time.perf_counter()
         for tokens in chunks:
-            next_token, cache = step(setup.params, cache, tokens)
+            cache, next_token = step(setup.params, cache, tokens)
         jax.block_until_ready((next_token, cache))
         times.append(time.perf_counter() - start)
         log(f"prefill: run {run} {'(warm-up) ' if run == 0 else ''}{times[-1] * 1e3:.1f} ms{memory_note()}")
@@ -486,11 +487,20 @@ def run_prefill(setup: Setup, args, results) -> Any:
     return cache
 
 
-def outputs_in_place(compiled) -> bool:
-    """Whether every output of a compiled program is written in place of a donated input (XLA's input_output_alias:
-    buffers that keep their addresses from call to call)."""
+def aliased_inputs(compiled) -> list[int | None]:
+    """Per output leaf of a compiled program, the flat index of the donated input XLA writes it in place of (its
+    input_output_alias), or None."""
     header = compiled.as_text().split("\n", 1)[0]
-    return len(re.findall(r"\{[\d,]*\}: \(\d+", header)) == compiled.out_tree.num_leaves
+    aliases = {int(out): int(arg) for out, arg in re.findall(r"\{(\d+)\}: \((\d+),", header)}
+    return [aliases.get(i) for i in range(compiled.out_tree.num_leaves)]
+
+
+def outputs_in_place(compiled, first_input: int) -> bool:
+    """Whether output leaf i is written in place of input leaf first_input + i, for every i: each buffer then keeps
+    its address from call to call. (jax pairs each output with the first unused donated input of the same shape and
+    dtype, in order: outputs in another order than their inputs trade buffers among same-shaped leaves on every
+    call — the 48B step's 28 [1] int32 leaves did — and XLA re-records the step's CUDA graph each time.)"""
+    return aliased_inputs(compiled) == list(range(first_input, first_input + compiled.out_tree.num_leaves))
 
 
 def _is_router_call(module, method_name: str) -> bool:
@@ -499,8 +509,9 @@ def _is_router_call(module, method_name: str) -> bool:
 
 def make_decode_step(model, num_experts: int):
     def decode_step(params, cache, tokens, distinct_sum):
-        """tokens [B], distinct_sum [n_moe] int32 -> (greedy next tokens [B] int32, distinct_sum + the distinct
-        experts chosen per MoE layer in this step, cache)."""
+        """tokens [B], distinct_sum [n_moe] int32 -> (cache, greedy next tokens [B] int32, distinct_sum + the
+        distinct experts chosen per MoE layer in this step): the outputs in the order of the donated inputs, so that
+        each is written in place of its own input (`outputs_in_place`)."""
         logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
                                         model_mode="autoregressive", mutable=["cache", "intermediates"],
                                         capture_intermediates=_is_router_call)
@@ -509,7 +520,7 @@ def make_decode_step(model, num_experts: int):
         distinct = [jnp.sum(jnp.zeros((num_experts,), jnp.bool_).at[output[0][1].reshape(-1)].set(True),
                             dtype=jnp.int32) for _, output in by_layer]  # output: ((weights, expert ids),)
         distinct = jnp.stack(distinct) if distinct else jnp.zeros((0,), jnp.int32)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), distinct_sum + distinct, variables["cache"]
+        return variables["cache"], jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), distinct_sum + distinct
     return decode_step
 
 
@@ -567,21 +578,21 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     step, compile_s = setup.compile(
         make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens, counts),
         in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1), replicated),
-        out_shardings=(setup.rows(1), replicated, cache_shardings), donate_argnums=(1, 2, 3))
+        out_shardings=(cache_shardings, setup.rows(1), replicated), donate_argnums=(1, 2, 3))
     log(f"decode {setting}: compiled in {compile_s:.1f} s")
-    in_place = outputs_in_place(step)
+    in_place = outputs_in_place(step, first_input=len(jax.tree.leaves(setup.params)))
     if not in_place:
-        log(f"decode {setting}: XLA did not write every output in place of a donated input (new buffers each step: "
-            f"CUDA graphs touching them are re-recorded)")
+        log(f"decode {setting}: XLA does not write every output in place of its own input (buffers move between "
+            f"steps: CUDA graphs touching them are re-recorded every step)")
 
     for _ in range(args.warmup):
-        tokens, counts, cache = step(setup.params, cache, tokens, counts)
+        cache, tokens, counts = step(setup.params, cache, tokens, counts)
     timed_from = np.asarray(counts)
     blocks, issued = [], []
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
         start = time.perf_counter()
         for _ in range(args.steps):
-            tokens, counts, cache = step(setup.params, cache, tokens, counts)
+            cache, tokens, counts = step(setup.params, cache, tokens, counts)
         issued.append((time.perf_counter() - start) / args.steps)  # host time to issue a step
         jax.block_until_ready((tokens, counts, cache))
         blocks.append((time.perf_counter() - start) / args.steps)
@@ -589,7 +600,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     synced = []
     for _ in range(args.synced_steps):
         start = time.perf_counter()
-        tokens, counts, cache = jax.block_until_ready(step(setup.params, cache, tokens, counts))
+        cache, tokens, counts = jax.block_until_ready(step(setup.params, cache, tokens, counts))
         synced.append(time.perf_counter() - start)
     tpot = statistics.median(blocks)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
@@ -630,7 +641,7 @@ def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step
     try:
         with jax.profiler.trace(trace_dir):
             for _ in range(args.profile_steps):
-                tokens, counts, cache = step(setup.params, cache, tokens, counts)
+                cache, tokens, counts = step(setup.params, cache, tokens, counts)
             jax.block_until_ready((tokens, counts, cache))
         op_times = device_op_times(find_xplane(trace_dir), DECODE_MODULE, jax.default_backend() != "cpu")
         if not op_times.nanoseconds:

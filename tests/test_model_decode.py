@@ -143,3 +143,37 @@ def test_malformed_decode_variant_is_refused_before_any_stage(capsys):
         model_decode.parse_args(["--smoke", "--decode-variants", "", "fused_projections"])
     assert "--decode-variants: decode variant 'fused_projections': expected comma-separated key=value" in (
         capsys.readouterr().err)
+
+
+def test_decode_step_writes_each_output_in_place_of_its_own_input():
+    """The timed decode step returns its outputs in the order of its donated inputs (cache, tokens, expert counts),
+    so each output reuses its own input's buffer and no buffer moves between steps (a moving buffer makes XLA
+    re-record the step's CUDA graph on every step: the 48B step's [1] int32 leaves traded buffers that way). The
+    other order is caught by `outputs_in_place`."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    args = model_decode.parse_args(["--smoke"])
+    setup = model_decode.init_setup(args, {})
+    config, batch = setup.config, 1
+    cache = model_decode.batch_cache(setup, None, batch, args.prompt_len)
+    tokens = jax.device_put(np.zeros((batch,), np.int32), setup.rows(1))
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    counts = jax.device_put(np.zeros((config.mlp_types.count("moe"),), np.int32), replicated)
+    decode_step = model_decode.make_decode_step(KimiLinearForCausalLM(config), config.num_experts)
+    shardings = dict(in_shardings=(setup.param_shardings, setup.cache_shardings(batch), setup.rows(1), replicated),
+                     donate_argnums=(1, 2, 3))
+    step, _ = setup.compile(decode_step, (setup.params, cache, tokens, counts),
+                            out_shardings=(setup.cache_shardings(batch), setup.rows(1), replicated), **shardings)
+    first = len(jax.tree.leaves(setup.params))
+    assert model_decode.outputs_in_place(step, first)
+    addresses = []
+    for _ in range(3):
+        cache, tokens, counts = step(setup.params, cache, tokens, counts)
+        addresses.append([x.unsafe_buffer_pointer() for x in jax.tree.leaves((cache, tokens, counts))])
+    assert addresses[0] == addresses[1] == addresses[2]
+    # the order of the old step (tokens first): aliased, but to other same-shaped inputs
+    reordered, _ = setup.compile(lambda *a: (lambda c, t, n: (t, n, c))(*decode_step(*a)),
+                                 (setup.params, cache, tokens, counts),
+                                 out_shardings=(setup.rows(1), replicated, setup.cache_shardings(batch)), **shardings)
+    assert None not in model_decode.aliased_inputs(reordered)
+    assert not model_decode.outputs_in_place(reordered, first)
