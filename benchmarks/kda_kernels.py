@@ -370,8 +370,8 @@ def tune_prefill(ncu=False, only=None):
     """Times the prefill kernels separately for launch variants (B=8, T=4096), then fla's kernels on the same
     inputs (torch.profiler), then exits. ncu: each variant runs twice untimed (and fla's chunk_kda three times,
     then both decode kernels: `ncu_decode`), for Nsight Compute to profile every launch; the log names the
-    launches in order. only: the variants whose name contains one of these words (fla's kernels: "fla"; with ncu, the decode
-    kernels: "decode")."""
+    launches in order. only: the variants whose name contains one of these words (fla's kernels: "fla"; with ncu,
+    the decode kernels: "decode")."""
     from MaxText.kernels.kda import pallas_chunk
     B, T = 8, 4096
     q, k, v, g, beta = (to_jax(t).reshape(B * T, *t.shape[2:]) for t in prefill_inputs(B, T, seed=1))

@@ -32,8 +32,9 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
            meet); `synced` = median of --synced-steps steps each waited for (adds dispatch).
            The step also adds up the distinct experts each MoE layer's router chose (captured Router outputs),
-           and the roofline uses their mean over the timed steps. (Engine's decode runs all steps in one while_loop, which gives neither a
-           per-step time nor a one-step profile; this step is Engine's step_fn as a program of its own.)
+           and the roofline uses their mean over the timed steps. (Engine's decode runs all steps in one
+           while_loop, which gives neither a per-step time nor a one-step profile; this step is Engine's step_fn
+           as a program of its own.)
   profile  --profile-steps decode steps under jax.profiler for every decode setting; the trace's device kernels
            summed by HLO op, and by model component (kda/q_proj, moe/experts, ...) through the compiled HLO's
            op_name metadata; printed as the top --top ops with their share of the step time.

@@ -11,10 +11,11 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
 3. `scores` -- two programs per (chunk, head), rows {0, 1, 2} and {3}: pairs across sub-chunks I > J as
-   tensor-core products accumulated over 16-channel blocks, each sub-chunk's operands computed once per block, factored through the sub-chunk boundaries so that
-   every exponent is <= 0 (nothing overflows for any gate); writes A_qk (scaled q) and the blocks j <= i of A_kk
-   (fp32), the diagonal ones from `diag` (A_qk's masked above the diagonal; computing them here instead, one key
-   column at a time, took 11.4 ms at B=8, T=4096 on an H200 vs 1.0 + 1.5 ms).
+   tensor-core products accumulated over 16-channel blocks, each sub-chunk's operands computed once per block,
+   factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
+   writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal ones from `diag` (A_qk's masked above
+   the diagonal; computing them here instead, one key column at a time, took 11.4 ms at B=8, T=4096 on an H200 vs
+   1.0 + 1.5 ms).
 4. `wy_inverse` -- per (chunk, head): T = (I + diag(beta) A_kk)^-1 (stored in q's dtype), built blockwise: the
    diagonal blocks by block size doubling (four steps of two tensor-core products), then the off-diagonal blocks.
    (Scores and inverse in one program per (chunk, head) took 3.5 ms at B=8, T=4096 on an H200, 4.1 ms with a
@@ -273,9 +274,9 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="
     (`_reversed_grid`).
     Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32
     (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset).
-    H200, B=8, T=4096 (benchmarks/RESULTS.md): "halves" at 16 channels 1.09 ms (168 registers, no spills); "chunk"
-    1.09 at 32 channels (spilling ~470 bytes), 1.19 at 16; "rows" 1.31 / 1.98; 2 warps replicate the 16 x 16 tiles
-    (1.72 ms); one program per row sub-chunk computing each pair's operands anew (the old default) 1.29.
+    H200, B=8, T=4096 (benchmarks/RESULTS.md, with jnp.exp): "halves" at 16 channels 1.09 ms (168 registers, no
+    spills); "chunk" 1.09 at 32 channels (spilling ~470 bytes), 1.19 at 16; "rows" 1.31 / 1.98; 2 warps replicate the
+    16 x 16 tiles (1.72 ms); one program per row sub-chunk computing each pair's operands anew (the old default) 1.29.
     Nsight Compute: every variant waits on its loads (long-scoreboard stalls 60-73% of the cycles, 12-15%
     occupancy); num_stages > 1 lets Triton prefetch the next channel block's operands (not yet timed)."""
     total, H, K = qn.shape

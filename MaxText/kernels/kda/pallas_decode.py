@@ -92,9 +92,8 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
-    kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v,
-                               scale=scale, gate_in_kernel=gate_in_kernel,
-                               l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+    kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
+                               gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
@@ -109,6 +108,5 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "out_dtype",
-                                       "interpret"))
+                                       "beta_logit", "block_v", "num_warps", "out_dtype", "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."
