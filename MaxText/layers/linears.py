@@ -57,9 +57,13 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = create_kernel(self, (x.shape[-1], self.features), self.kernel_axes)
-        return dense_matmul(x.astype(self.config.dtype), kernel, implementation=self.config.dense_matmul,
-                            precision=matmul_precision(self.config))
+        return project(self.config, x, create_kernel(self, (x.shape[-1], self.features), self.kernel_axes))
+
+
+def project(config: ml_collections.FrozenConfigDict, x: jax.Array, kernel):
+    """x (cast to config.dtype) @ kernel, or a tuple of products for a tuple of kernels, by config.dense_matmul."""
+    return dense_matmul(x.astype(config.dtype), kernel, implementation=config.dense_matmul,
+                        precision=matmul_precision(config))
 
 
 def dense_together(config: ml_collections.FrozenConfigDict, x: jax.Array, features: int,
@@ -67,11 +71,10 @@ def dense_together(config: ml_collections.FrozenConfigDict, x: jax.Array, featur
     """x @ kernel for several projections of the same x with the same shape, each a `Dense(config, features,
     kernel_axes, name=name)` of the calling (compact) module: the same params (`name/kernel`) and products. With
     `config.fused_projections`, one `dense_matmul` call for the group (the Pallas kernel: one launch)."""
-    if not config.fused_projections:
-        return tuple(Dense(config, features, kernel_axes, name=name)(x) for name in names)
     kernels = tuple(DenseKernel(config, (x.shape[-1], features), kernel_axes, name=name)() for name in names)
-    return dense_matmul(x.astype(config.dtype), kernels, implementation=config.dense_matmul,
-                        precision=matmul_precision(config))
+    if config.fused_projections:
+        return project(config, x, kernels)
+    return tuple(project(config, x, kernel) for kernel in kernels)
 
 
 class MLP(nn.Module):
