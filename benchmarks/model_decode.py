@@ -632,7 +632,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
             f"measured counts")
     if profile and args.profile_steps:
-        row["profile"] = profile_decode(step, setup, cache, tokens, counts, args, config, tpot, f"b{batch}_{moe}")
+        row["profile"] = profile_decode(step, setup, cache, tokens, counts, args, config, tpot,
+                                        re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting))  # one trace folder per setting
     return row
 
 

@@ -96,7 +96,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     xla_flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()  # compiles faster
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_decode.py"), "--smoke", "--out",
-                           str(tmp_path), "--decode-variants", "", "fused_projections=false"], cwd=REPO, env=env,
+                           str(tmp_path), "--decode-variants", "", "fused_projections=false", "--trace-dir",
+                           str(tmp_path / "traces")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "model_decode.json").read_text())
@@ -125,6 +126,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
+    assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
                        "### Profile, batch 2, moe auto (gather)", "| 2 | auto (gather), fused_projections=false |"):
         assert table_text in proc.stdout
