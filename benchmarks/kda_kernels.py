@@ -377,8 +377,11 @@ def tune_prefill(ncu=False, only=None):
     q, k, v, g, beta = (to_jax(t).reshape(B * T, *t.shape[2:]) for t in prefill_inputs(B, T, seed=1))
     intra_kw = dict(scale=K ** -0.5, l2norm=True, gate=False)
 
+    def wanted(name):
+        return not only or any(word in name for word in only)
+
     def timed(name, fn, *args):
-        if only and not any(word in name for word in only):
+        if not wanted(name):
             return
         jitted = jax.jit(fn)
         try:
@@ -427,9 +430,9 @@ def tune_prefill(ncu=False, only=None):
             timed(f"recurrence rows={rows} bv={bv} warps={nw} stages={ns}", f, *seq, h0, offs)
         timed(f"recurrence rows={rows} default, libdevice exp", libdevice_exp(
             lambda *a: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16)), *seq, h0, offs)
-    if not only or any("fla" in word for word in only):
+    if wanted("fla"):
         guarded(fla_prefill_kernels, B, T, ncu=ncu)
-    if ncu and (not only or any("decode" in word for word in only)):
+    if ncu and wanted("decode"):
         for batch in (64, 256):
             guarded(ncu_decode, batch)
 
