@@ -4,6 +4,8 @@ import os
 import sys
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,3 +13,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kimi-linear-jax-test-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def interpreted_dense_matmul(monkeypatch):
+    """The Pallas dense matmul (pallas_gmm.dense_matmul) run by the Pallas interpreter; returns the list of how many
+    kernels each call multiplied (the caller decides where `dense_matmul` resolves to it)."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    calls, kernel_fn = [], pallas_gmm.dense_matmul
+
+    def interpreted(rows, kernels):
+        calls.append(len(kernels))
+        return kernel_fn(rows, kernels, interpret=True)
+    monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
+    return calls

@@ -260,7 +260,7 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch):
+def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch, interpreted_dense_matmul):
     """linears.MLP with fused_projections (the default): gate_proj and up_proj (same params) in one dense_matmul call,
     down_proj alone; the output is the unfused MLP's."""
     from MaxText import pyconfig
@@ -273,13 +273,8 @@ def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch
     params = plain.init(jax.random.key(0), x)
     jax.tree.map(np.testing.assert_array_equal, params, fused.init(jax.random.key(0), x))
     want = plain.apply(params, x)
-    calls, kernel_fn = [], pallas_gmm.dense_matmul
-
-    def interpreted(rows, kernels):
-        calls.append(len(kernels))
-        return kernel_fn(rows, kernels, interpret=True)
+    calls = interpreted_dense_matmul
     monkeypatch.setattr(gmm, "resolve_dense", lambda *a: "pallas")
-    monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
     got = fused.apply(params, x)
     assert calls == [2, 1]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)

@@ -287,7 +287,7 @@ def test_verify_pallas_runs_the_verify_kernel(interpreted_pallas):
     np.testing.assert_allclose(got_step, want_step, atol=TOL, rtol=TOL)
 
 
-def test_fused_projections_keep_params_and_output_in_fewer_dense_calls(monkeypatch):
+def test_fused_projections_keep_params_and_output_in_fewer_dense_calls(monkeypatch, interpreted_dense_matmul):
     """fused_projections: q/k/v and f_a/g_a (and the MLPs' gate/up) go through one dense_matmul call per group. The
     params (names and random-init values) and the output are those of the unfused layer; with the Pallas dense
     kernel resolved (run by the interpreter here) the groups arrive as tuples of 3 and 2 kernels, one call each."""
@@ -302,15 +302,10 @@ def test_fused_projections_keep_params_and_output_in_fewer_dense_calls(monkeypat
     want = plain.apply({"params": params}, x, model_mode="train")
     np.testing.assert_array_equal(np.asarray(fused.apply({"params": params}, x, model_mode="train")),
                                   np.asarray(want))
-    calls, kernel_fn = [], pallas_gmm.dense_matmul
-
-    def interpreted(rows, kernels):
-        calls.append(len(kernels))
-        return kernel_fn(rows, kernels, interpret=True)
+    calls = interpreted_dense_matmul
     # pallas wherever the kernel supports the shape (b_proj's 2 heads are too few columns: XLA)
     monkeypatch.setattr(gmm, "resolve_dense", lambda _, dtype, contract, out, rows: (
         "xla" if pallas_gmm.unsupported_reason(dtype, contract, out) else "pallas"))
-    monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
     got = fused.apply({"params": params}, x, model_mode="train")
     assert sorted(calls) == [1, 1, 1, 2, 3], calls  # f_b, g_b, o alone; f_a + g_a; q + k + v
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
