@@ -51,8 +51,7 @@ DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_STEPS = 64
 # `scores` launch variants --tune times (keyword arguments of pallas_chunk.scores); the first is the default
 SCORES_VARIANTS = tuple(dict(programs=p, num_warps=1, block_k=bk, num_stages=stages) for p, bk, stages in (
-    ("halves", 16, 1), ("halves", 16, 2), ("halves", 16, 3), ("halves", 32, 2), ("chunk", 32, 1), ("chunk", 16, 2),
-    ("rows", 16, 2)))
+    ("halves", 16, 1), ("halves", 16, 3), ("halves", 16, 4), ("halves", 32, 3), ("chunk", 16, 3), ("chunk", 16, 4)))
 DECODE_BLOCK_V, DECODE_WARPS = None, None  # defaults of pallas_ops.packed_decode_kda: by batch (decode_tile)
 
 
@@ -352,20 +351,6 @@ def bench_decode(B, args, results, copy_bw):
     results.append(row)
 
 
-def libdevice_exp(fn):
-    """fn with the kernels' exponential traced as jnp.exp (libdevice's accurate __nv_expf) instead of
-    `pallas_exp.exp` (exp2 with a multiply): both lowerings timed in one run."""
-    from MaxText.kernels import pallas_exp
-
-    def traced(*args):
-        fast, pallas_exp.exp = pallas_exp.exp, jnp.exp
-        try:
-            return fn(*args)
-        finally:
-            pallas_exp.exp = fast
-    return traced
-
-
 def tune_prefill(ncu=False, only=None):
     """Times the prefill kernels separately for launch variants (B=8, T=4096), then fla's kernels on the same
     inputs (torch.profiler), then exits. ncu: each variant runs twice untimed (and fla's chunk_kda three times,
@@ -396,40 +381,30 @@ def tune_prefill(ncu=False, only=None):
 
     timed("prepare", lambda *a: pallas_chunk.prepare(*a, None, None, l2norm=True, gate=False), q, k, g)
     qn, kn, G = jax.jit(lambda *a: pallas_chunk.prepare(*a, None, None, l2norm=True, gate=False))(q, k, g)
-    for heads, warps in ((4, 1), (2, 1), (8, 2)):
+    for heads, warps in ((4, 1), (2, 1)):
         timed(f"diag heads={heads} warps={warps}",
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
-    timed("diag default, libdevice exp", libdevice_exp(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5)), qn, kn, G)
     diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
     for options in SCORES_VARIANTS:
         timed(scores_variant_name(**options), lambda *a, o=options: pallas_chunk.scores(*a, scale=K ** -0.5, **o),
               qn, kn, G, diag_blocks)
-    timed("scores default, libdevice exp", libdevice_exp(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5)),
-          qn, kn, G, diag_blocks)
     _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
-    for warps, dtype in ((1, jnp.bfloat16), (2, jnp.bfloat16), (1, jnp.float32)):
-        timed(f"wy_inverse warps={warps} out={jnp.dtype(dtype).name}",
-              lambda *a, w=warps, d=dtype: pallas_chunk.wy_inverse(*a, dtype=d, num_warps=w), akk, beta)
-    for dtype in (jnp.bfloat16, jnp.float32):  # an fp32 T: the products in 3-pass tf32
-        inverse = jax.jit(lambda *a, d=dtype: pallas_chunk.wy_inverse(*a, dtype=d))(akk, beta)
-        for warps, stages in ((4, 2), (8, 2)):
-            timed(f"wu T={jnp.dtype(dtype).name} num_warps={warps} num_stages={stages}",
-                  lambda *a, w=warps, s=stages: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w, num_stages=s),
-                  qn, kn, G, v, beta, inverse)
-    timed("wu default, libdevice exp", libdevice_exp(lambda *a: pallas_chunk.wu(*a, scale=K ** -0.5)),
-          qn, kn, G, v, beta, inverse)
+    timed("wy_inverse", lambda *a: pallas_chunk.wy_inverse(*a, dtype=jnp.bfloat16), akk, beta)
+    inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, dtype=jnp.bfloat16))(akk, beta)
+    for warps, stages in ((4, 2), (8, 2), (4, 3), (8, 3)):
+        timed(f"wu num_warps={warps} num_stages={stages}",
+              lambda *a, w=warps, s=stages: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w, num_stages=s),
+              qn, kn, G, v, beta, inverse)
     intermediates = jax.jit(lambda *a: pallas_chunk.intra(*a, None, None, **intra_kw))(q, k, v, g, beta)
     for rows in (B, 1):  # all rows, and the first row alone (B=1: few programs, the serial chain dominates)
         seq = [x[:, :rows * T] for x in intermediates[:5]] + [intermediates[5][:, :rows * T // 64]]
         h0 = jnp.ones((rows, H, K, V), jnp.float32)
         offs = jnp.arange(rows + 1, dtype=jnp.int32) * (T // 64)
-        for bv, nw, ns in ((64, 4, 3), (32, 4, 3)):
+        for bv, nw, ns in ((64, 4, 3), (32, 4, 3), (32, 8, 3)):
             f = lambda *a, bv=bv, w=nw, s=ns: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16, block_v=bv,  # noqa
                                                                       num_warps=w, num_stages=s)
             timed(f"recurrence rows={rows} bv={bv} warps={nw} stages={ns}", f, *seq, h0, offs)
-        timed(f"recurrence rows={rows} default, libdevice exp", libdevice_exp(
-            lambda *a: pallas_chunk.recurrence(*a, out_dtype=jnp.bfloat16)), *seq, h0, offs)
     if wanted("fla"):
         guarded(fla_prefill_kernels, B, T, ncu=ncu)
     if ncu and wanted("decode"):

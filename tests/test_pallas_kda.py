@@ -24,12 +24,19 @@ from MaxText.kernels.kda.verify import recurrent_kda_checkpoints, recurrent_kda_
 from tests.kda_inputs import assert_close, random_kda_inputs
 
 
-@pytest.mark.parametrize("batch,seq_len,raw_gate,with_state", [(2, 70, False, True), (1, 100, True, False)])
-def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state):
+@pytest.mark.parametrize("batch,seq_len,raw_gate,with_state,l2norm", [(2, 70, False, True, True),
+                                                                      (1, 100, True, False, True),
+                                                                      (1, 64, False, True, False)])
+def test_chunk_kda_interpret_matches_naive(batch, seq_len, raw_gate, with_state, l2norm):
+    """Without l2norm in the kernel the keys have norm 0.7 (a stable delta rule) and the queries 2: a kernel that
+    normalized them anyway would be off."""
     x = random_kda_inputs(np.random.default_rng(seq_len), batch, seq_len, 2, 32, 32, raw_gate=raw_gate)
     if not with_state:
         x.pop("initial_state")
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=raw_gate, output_final_state=True)
+    if not l2norm:
+        for name, length in (("q", 2.0), ("k", 0.7)):
+            x[name] = length * x[name] / np.linalg.norm(x[name], axis=-1, keepdims=True)
+    kw = dict(use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=raw_gate, output_final_state=True)
     o_ref, s_ref = naive_recurrent_kda(**x, **kw)
     o, s = pallas_ops.chunk_kda(**x, **kw, interpret=True)
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype

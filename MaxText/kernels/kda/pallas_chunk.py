@@ -11,7 +11,8 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    one 16-token sub-chunk), with exact per-channel decays e^{G_t - G_j} <= 1. One short program per token keeps
    the GPU full (a per-chunk loop over the 16 columns was latency bound: 4-8 ms at B=8, T=4096).
 3. `scores` -- two programs per (chunk, head), rows {0, 1, 2} and {3}: pairs across sub-chunks I > J as
-   tensor-core products accumulated over 16-channel blocks, each sub-chunk's operands computed once per block,
+   tensor-core products accumulated over 16-channel blocks (a 3-stage pipelined loop), each sub-chunk's operands
+   computed once per block,
    factored through the sub-chunk boundaries so that every exponent is <= 0 (nothing overflows for any gate);
    writes A_qk (scaled q) and the blocks j <= i of A_kk (fp32), the diagonal ones from `diag` (A_qk's masked above
    the diagonal; computing them here instead, one key column at a time, took 11.4 ms at B=8, T=4096 on an H200 vs
@@ -264,7 +265,7 @@ SCORE_ROW_GROUPS = {  # `scores` programs per (chunk, head): the row sub-chunks 
 }
 
 
-def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", num_stages=1,
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", num_stages=3,
            interpret=False):
     """Kernel 3: the [16, 16] score blocks of row sub-chunks i against key sub-chunks j < i (`_pair_blocks`,
     tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32, accumulated over blocks of block_k key
@@ -274,11 +275,13 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="
     (`_reversed_grid`).
     Returns A_qk [H, Ttot, 64] (scaled q, in qn's dtype; zero above the diagonal) and A_kk [H, Ttot, 64] fp32
     (blocks j < i and the strictly lower part of the diagonal blocks; the rest unset).
-    H200, B=8, T=4096 (benchmarks/RESULTS.md, with jnp.exp): "halves" at 16 channels 1.09 ms (168 registers, no
-    spills); "chunk" 1.09 at 32 channels (spilling ~470 bytes), 1.19 at 16; "rows" 1.31 / 1.98; 2 warps replicate the
-    16 x 16 tiles (1.72 ms); one program per row sub-chunk computing each pair's operands anew (the old default) 1.29.
-    Nsight Compute: every variant waits on its loads (long-scoreboard stalls 60-73% of the cycles, 12-15%
-    occupancy); num_stages > 1 lets Triton prefetch the next channel block's operands (not yet timed)."""
+    num_stages: software pipelining of the channel-block loop (Triton prefetches the next block's operands while
+    this one multiplies). H200, B=8, T=4096 (benchmarks/RESULTS.md): "halves" at 16 channels 0.711 ms with 3 stages
+    (0.712 in another run), 0.770 with 4, 0.806 with 2, 1.050-1.088 with 1 (Nsight Compute, unpipelined: every
+    layout waited on its loads, long-scoreboard stalls 60-73% of the cycles); "halves" at 32 channels 1.047 (3
+    stages); "chunk" at 16 channels 0.755-0.764 (3-4 stages); "rows" 1.231 (2 stages); 2 warps replicate the 16 x 16
+    tiles (1.72 ms unpipelined). Scores and `wy_inverse` in one program per (chunk, head), A_kk kept in registers:
+    1.67 ms (108 bytes of spills) vs 0.71 + 0.33 as two kernels."""
     total, H, K = qn.shape
     block_k = min(block_k, K)
     if block_k < 16 or K % block_k:
@@ -347,17 +350,21 @@ def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_r
     lax.fori_loop(0, num_blocks, one_block, 0)
 
 
-def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, num_stages=2, interpret=False):
+def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=None, num_stages=2, interpret=False):
     """Kernel 5, one program per (chunk, head), reading T once and looping over blocks of WU_BLOCK key / value
     columns (pipelined over num_stages, as fla-core's recompute_w_u): w = T (beta k e^G), u = T (beta v) ([64, 64]
     x [64, WU_BLOCK] products with T's dtype as operands: bf16 with bf16 inputs, as in fla-core; fp32-accurate with
     fp32), qg = scale q e^G, kg = k e^{G_last - G}. Column blocks keep fp32 tiles within shared memory (whole
-    [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB). H200, B=8, T=4096 (benchmarks/RESULTS.md): 0.75 ms
-    (bf16 T); 1.05 with an fp32 T (tf32 products); 1.15 with a program per column block and tf32 products.
+    [64, 128] fp32 tiles asked for 360 KB of an H200's 227 KB). num_warps defaults to 8 with bf16 inputs, 4 with
+    fp32. H200, B=8, T=4096 (benchmarks/RESULTS.md): 0.726-0.729 ms at 8 warps vs 0.750 at 4 in two runs (3 stages
+    no faster); an fp32 T (tf32 products) 1.05 at 4 warps, 1.51 at 8; a program per column block with tf32 products
+    1.15.
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]
     dtype = qn.dtype
+    if num_warps is None:
+        num_warps = 8 if dtype == BF16 else 4
     block_cols = min(WU_BLOCK, K, V)  # K, V in SUPPORTED_HEAD_DIMS (powers of two): it divides both
     kernel = functools.partial(_wu_kernel, num_blocks=max(K, V) // block_cols, precise=dtype == F32,
                                interpret=interpret, head_k=K, head_v=V, block_cols=block_cols, scale=scale)
@@ -375,7 +382,7 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=4, num_stages=2, interpr
 
 
 def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1, diag_heads=4, diag_warps=1,
-          wu_warps=4, interpret=False):
+          wu_warps=None, interpret=False):
     """Kernels 1-5: everything inside a chunk. q, k, g: [Ttot, H, K]; v: [Ttot, H, V]; beta: [Ttot, H]; Ttot a
     multiple of 64; q, k, v bf16 (tf32 / bf16 tensor-core products) or fp32 (fp32-accurate products).
     Returns the inputs of `recurrence`: qg, kg, w [H, Ttot, K]; u [H, Ttot, V]; A_qk [H, Ttot, 64]; G_last."""
