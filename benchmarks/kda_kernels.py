@@ -7,7 +7,8 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
-Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v and warps):
+Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v and warps,
+and `state_traffic_probe`: the decode kernel's state loads and stores alone, the tiling's ceiling):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -267,6 +268,25 @@ def fla_decode_step(mixed, a, b, A_log, dt_bias, pool, slots):
     return pool_t, step
 
 
+def state_traffic_probe(pool, slots, *, block_v, num_warps, interpret=False):
+    """The packed decode kernel's state traffic without its math: the same grid (row, head, block of block_v value
+    columns) and the same in-place slot addressing, each program loading its [K, block_v] fp32 slice of pool row
+    slots[b] and storing it back times 0.5. Its time is what the decode kernel's tiling allows (the gap to the copy
+    bandwidth is the tiling's, the rest the math's). Returns the pool (aliased: donate it for a true in-place run)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+    _, heads, head_k, head_v = pool.shape
+
+    def kernel(slot_ref, pool_ref, out_ref):
+        slot, head, cols = slot_ref[pl.program_id(0)], pl.program_id(1), pl.ds(pl.program_id(2) * block_v, block_v)
+        out_ref[slot, head, :, cols] = pool_ref[slot, head, :, cols] * 0.5  # [K, BV]
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                          grid=(slots.shape[0], heads, head_v // block_v), input_output_aliases={1: 0},
+                          compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+                          interpret=interpret, name="state_traffic_probe")(slots, pool)
+
+
 def decode_problem(B):
     """The timed decode step's inputs at batch B: (mixed, a, b, A_log, dt_bias), slots (a permutation of a B-row
     pool) and a function making the pool's starting state [B, H, K, V] fp32."""
@@ -312,6 +332,10 @@ def bench_decode(B, args, results, copy_bw):
                     for bv, nw in ((32, 2), (32, 4), (64, 2), (64, 4), (128, 4))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
+    if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)
+        for bv, nw in ((64, 2), (128, 4), (32, 4)):
+            impls[f"probe_bv{bv}_w{nw}"] = lambda *x, bv=bv, nw=nw: (
+                jnp.zeros((B, H, V), jnp.float32), state_traffic_probe(x[5], x[6], block_v=bv, num_warps=nw))
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
         run = loop_fn(step)
