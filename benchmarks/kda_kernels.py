@@ -328,8 +328,9 @@ def bench_decode(B, args, results, copy_bw):
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
     if args.sweep:  # block_v, warps
-        variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
-                    for bv, nw in ((32, 2), (32, 4), (64, 2), (64, 4), (128, 4))}
+        variants = {f"pallas_bv{bv}_w{nw}" + ("_one_pass" if one else ""): dict(block_v=bv, num_warps=nw, one_pass=one)
+                    for bv, nw, one in ((64, 2, False), (64, 2, True), (128, 4, False), (128, 4, True),
+                                        (32, 4, False), (32, 4, True))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)

@@ -80,9 +80,11 @@ def kernel_variants():
     for block_v in (64, 32, 16):
         variants[f"recurrence bv{block_v} (one sequence)"] = (4, 3, lambda *a, bv=block_v: pc.recurrence(
             *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
-    for block_v, warps in ((128, 4), (64, 2), (64, 4), (32, 4)):
-        variants[f"packed decode bv{block_v} w{warps}"] = (warps, 1, lambda *a, bv=block_v, w=warps: (
-            pallas_ops.packed_decode_kda(*a, num_heads=H, head_dim=K, block_v=bv, num_warps=w)), decode)
+    for block_v, warps, one_pass in ((128, 4, False), (64, 2, False), (64, 4, False), (32, 4, False),
+                                     (64, 2, True), (128, 4, True)):
+        variants[f"packed decode bv{block_v} w{warps}" + (" one_pass" if one_pass else "")] = (
+            warps, 1, lambda *a, bv=block_v, w=warps, o=one_pass: pallas_ops.packed_decode_kda(
+                *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w, one_pass=o), decode)
     return variants
 
 

@@ -47,11 +47,21 @@ def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate
     return q, k, g, beta
 
 
-def delta_rule_step(state, q, k, v, g, beta):
+def delta_rule_step(state, q, k, v, g, beta, *, one_pass=False):
     """One KDA step on a [K, BV] float32 state slice: q, k, g [K], v [BV] float32, beta scalar.
 
+    one_pass: both reductions over K read the old state S (independent, so they can be issued together), and the
+    output is corrected by the rank-one update: with d = exp(g),
+        predicted = (k d)^T S,  delta = beta (v - predicted),  S' = d S + k delta^T,  o = (q d)^T S + (q . k) delta
+    (= q^T S', the same math; the default form reduces S' for o after the update, a second dependent pass).
     Returns (new state [K, BV], o [BV]), float32.
     """
+    if one_pass:
+        decay = jnp.exp(g)
+        predicted = jnp.sum(state * (k * decay)[:, None], axis=0)  # [BV]
+        o_old = jnp.sum(state * (q * decay)[:, None], axis=0)  # [BV]
+        delta = beta * (v - predicted)
+        return state * decay[:, None] + k[:, None] * delta[None, :], o_old + jnp.sum(q * k) * delta
     state = state * jnp.exp(g)[:, None]
     predicted = jnp.sum(state * k[:, None], axis=0)  # [BV]
     delta = beta * (v - predicted)
@@ -60,7 +70,7 @@ def delta_rule_step(state, q, k, v, g, beta):
 
 
 def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit, one_pass):
     row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     H, K = num_heads, head_k
     slot = slot_ref[row]
@@ -73,17 +83,18 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
         gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
     v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
     state = pool_ref[safe, head, :, cols]
-    state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
+    state, o = delta_rule_step(state, q, k, v, g, beta, one_pass=one_pass)  # [K, BV], [BV]
     o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
     pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                out_dtype=None, interpret=False):
+                one_pass=False, out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
-    With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
+    With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself. one_pass:
+    `delta_rule_step`'s one-pass form.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
     batch = mixed_qkv.shape[0]
@@ -93,7 +104,8 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
     kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
-                               gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+                               gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit,
+                               one_pass=one_pass)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
@@ -108,5 +120,5 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "out_dtype", "interpret"))
+                                       "beta_logit", "block_v", "num_warps", "one_pass", "out_dtype", "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."
