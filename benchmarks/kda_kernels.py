@@ -405,15 +405,24 @@ def tune_prefill(ncu=False, only=None):
             log(f"  tune {name} failed: {type(e).__name__}: {str(e)[:300]}")
 
     timed("prepare", lambda *a: pallas_chunk.prepare(*a, None, None, l2norm=True, gate=False), q, k, g)
+    for warps in (2, 8):
+        timed(f"prepare warps={warps}", lambda *a, w=warps: pallas_chunk.prepare(*a, None, None, l2norm=True,
+                                                                                  gate=False, num_warps=w), q, k, g)
     qn, kn, G = jax.jit(lambda *a: pallas_chunk.prepare(*a, None, None, l2norm=True, gate=False))(q, k, g)
+    # base2=False: the natural-log G (the fp32 inputs' units), exp2 with a multiply per element (the bf16 default
+    # before base2)
+    G_nat = jax.jit(lambda *a: pallas_chunk.prepare(*a, None, None, l2norm=True, gate=False, base2=False))(q, k, g)[2]
     for heads, warps in ((4, 1), (2, 1)):
         timed(f"diag heads={heads} warps={warps}",
               lambda *a, h=heads, w=warps: pallas_chunk.diag(*a, scale=K ** -0.5, heads_per_program=h, num_warps=w),
               qn, kn, G)
+    timed("diag base2=False", lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5, base2=False), qn, kn, G_nat)
     diag_blocks = jax.jit(lambda *a: pallas_chunk.diag(*a, scale=K ** -0.5))(qn, kn, G)
     for options in SCORES_VARIANTS:
         timed(scores_variant_name(**options), lambda *a, o=options: pallas_chunk.scores(*a, scale=K ** -0.5, **o),
               qn, kn, G, diag_blocks)
+    timed("scores base2=False", lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5, base2=False),
+          qn, kn, G_nat, diag_blocks)
     _, akk = jax.jit(lambda *a: pallas_chunk.scores(*a, scale=K ** -0.5))(qn, kn, G, diag_blocks)
     timed("wy_inverse", lambda *a: pallas_chunk.wy_inverse(*a, dtype=jnp.bfloat16), akk, beta)
     inverse = jax.jit(lambda *a: pallas_chunk.wy_inverse(*a, dtype=jnp.bfloat16))(akk, beta)
@@ -421,6 +430,8 @@ def tune_prefill(ncu=False, only=None):
         timed(f"wu num_warps={warps} num_stages={stages}",
               lambda *a, w=warps, s=stages: pallas_chunk.wu(*a, scale=K ** -0.5, num_warps=w, num_stages=s),
               qn, kn, G, v, beta, inverse)
+    timed("wu base2=False", lambda *a: pallas_chunk.wu(*a, scale=K ** -0.5, base2=False),
+          qn, kn, G_nat, v, beta, inverse)
     intermediates = jax.jit(lambda *a: pallas_chunk.intra(*a, None, None, **intra_kw))(q, k, v, g, beta)
     for rows in (B, 1):  # all rows, and the first row alone (B=1: few programs, the serial chain dominates)
         seq = [x[:, :rows * T] for x in intermediates[:5]] + [intermediates[5][:, :rows * T // 64]]

@@ -94,19 +94,22 @@ def test_wu_kernel_gives_w_u_and_gated_keys(head_k, head_v, dtype, tol):
     qg = scale q e^G, kg = k e^{G_last - G} and G_last, computed here in float64 from the same inputs (T in the
     inputs' dtype, as `wy_inverse` stores it). bf16: bf16 outputs and operands, 1e-2 relative L2; fp32: 1e-5. Three
     chunks and two column blocks per side (K = V = 128): a swapped index or a skipped block would show; K < V, where
-    the key and value blocks differ."""
+    the key and value blocks differ. G enters in the kernels' default units: base 2 with bf16 (`base2`), natural with
+    fp32; G_last comes back in the same units."""
     from MaxText.kernels.kda import pallas_chunk
     rng = np.random.default_rng(21)
     T, H, C = 192, 2, pallas_chunk.CHUNK
     qn, kn = (jnp.asarray(rng.standard_normal((T, H, head_k)) / 8, dtype) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((T, H, head_v)), dtype)
-    G = jnp.asarray(np.cumsum(-rng.uniform(0, 0.2, (T // C, C, H, head_k)), axis=1).reshape(T, H, head_k),
-                    jnp.float32)
+    units = pallas_chunk.pallas_exp.LOG2E if dtype == jnp.bfloat16 else 1.0  # what `prepare` writes for this dtype
+    G_in = jnp.asarray(np.cumsum(-rng.uniform(0, 0.2, (T // C, C, H, head_k)), axis=1).reshape(T, H, head_k)
+                       * units, jnp.float32)
     beta = jnp.asarray(rng.uniform(0.1, 1.0, (T, H)), dtype)
     inverse = jnp.asarray(np.tril(rng.standard_normal((H, T // C, C, C)) / 4, -1) + np.eye(C),
                           dtype).reshape(H, T, C)
-    outputs = pallas_chunk.wu(qn, kn, G, v, beta, inverse, scale=0.25, interpret=True)
-    q64, k64, v64, G64, b64 = (np.asarray(x, np.float64) for x in (qn, kn, v, G, beta))
+    outputs = pallas_chunk.wu(qn, kn, G_in, v, beta, inverse, scale=0.25, interpret=True)
+    q64, k64, v64, G64, b64 = (np.asarray(x, np.float64) for x in (qn, kn, v, G_in, beta))
+    G64 = G64 / units  # natural log-decay for the reference
     chunks = lambda x: x.reshape(T // C, C, H, -1).transpose(2, 0, 1, 3)  # noqa: E731  [T, H, D] -> [H, N, C, D]
     T64 = np.asarray(inverse, np.float64).reshape(H, T // C, C, C)
     b = b64.T.reshape(H, T // C, C, 1)
@@ -117,7 +120,8 @@ def test_wu_kernel_gives_w_u_and_gated_keys(head_k, head_v, dtype, tol):
         assert got.dtype == dtype
         got = np.asarray(got, np.float64).reshape(expected.shape)
         assert np.linalg.norm(got - expected) <= tol * np.linalg.norm(expected)
-    np.testing.assert_array_equal(np.asarray(outputs[4]), g_last[:, :, 0].astype(np.float32))
+    g_last_in = chunks(np.asarray(G_in))[:, :, -1]  # [H, N, K], in the units G entered in
+    np.testing.assert_array_equal(np.asarray(outputs[4]), g_last_in)
 
 
 def test_recurrence_narrows_value_blocks_for_few_sequences():

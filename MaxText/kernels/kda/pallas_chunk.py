@@ -32,9 +32,14 @@ Inside a chunk, with the chunk-local cumulative log-decay G (per channel, <= 0, 
    inputs every intermediate stays fp32 and the products use 3-pass tf32, about fp32 accuracy).
 
 Exponentials go through `pallas_exp.exp` (exp2 with a multiply: one MUFU.EX2 and one FMUL per element where
-`jnp.exp` lowers to libdevice's ~9-instruction `__nv_expf`). All run under `interpret=True` on CPU (the tests do, at
-small shapes). Per-kernel times and the open gap to fla-core:
-benchmarks/RESULTS.md (`python benchmarks/kda_kernels.py --tune`).
+`jnp.exp` lowers to libdevice's ~9-instruction `__nv_expf`). With `base2` (the default for bf16 inputs) `prepare`
+stores G in base 2, log2(e) G, and every decay is one exp2 of a difference, without the multiply (fla-core keeps
+its cumulative gates in base 2 too); every kernel takes `base2` (default: its inputs are bf16), and they must
+agree. fp32 inputs keep the natural G: scaling a large |G| costs |G| x 6e-8 of absolute error in every exponent
+(an fp32 interpret test's final state moved from within 1e-5 to 1.8e-5 of the oracle), far below bf16's rounding.
+base2 is not yet timed on a GPU (`kda_kernels.py --tune` has the A/B rows). All run under `interpret=True` on CPU
+(the tests do, at small shapes). Per-kernel times and the open gap to fla-core: benchmarks/RESULTS.md
+(`python benchmarks/kda_kernels.py --tune`).
 """
 
 from __future__ import annotations
@@ -70,7 +75,16 @@ def _reversed_grid(grid):
     return grid[::-1], lambda: tuple(pl.program_id(axis) for axis in range(len(grid)))[::-1]
 
 
-def _prepare_kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, qn_ref, kn_ref, G_ref, *, l2norm, gate):
+def _exp_of_G(base2):
+    """e^x for x a difference of G's as the kernels store them: exp2 when G is in base 2."""
+    return jnp.exp2 if base2 else pallas_exp.exp
+
+
+def _base2(base2, dtype):
+    return dtype == BF16 if base2 is None else base2
+
+
+def _prepare_kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, qn_ref, kn_ref, G_ref, *, l2norm, gate, base2):
     chunk, head = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(chunk * CHUNK, CHUNK)
     for src, dst in ((q_ref, qn_ref), (k_ref, kn_ref)):
@@ -81,17 +95,18 @@ def _prepare_kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, qn_ref, kn_ref, G_re
     g = g_ref[rows, head, :].astype(F32)
     if gate:
         g = -jnp.exp(alog_ref[head].astype(F32)) * thresholded_softplus(g + dtb_ref[pl.ds(head, 1), :].astype(F32))
-    G_ref[rows, head, :] = jnp.cumsum(g, axis=0)
+    G_ref[rows, head, :] = jnp.cumsum(g, axis=0) * (pallas_exp.LOG2E if base2 else 1.0)
 
 
-def prepare(q, k, g, A_log, dt_bias, *, l2norm, gate, num_warps=4, interpret=False):
+def prepare(q, k, g, A_log, dt_bias, *, l2norm, gate, num_warps=4, base2=None, interpret=False):
     """Kernel 1, one program per (chunk, head). q, k, g: [Ttot, H, K]. Returns qn, kn [Ttot, H, K] (l2-normed when
-    `l2norm`, in q's dtype) and G [Ttot, H, K] fp32, the chunk-local cumulative log-decay (gate applied when `gate`)."""
+    `l2norm`, in q's dtype) and G [Ttot, H, K] fp32, the chunk-local cumulative log-decay (gate applied when `gate`),
+    in base 2 (log2(e) G) when `base2` (default: q is bf16)."""
     total, H, K = q.shape
     A_log = jnp.zeros((H,), F32) if A_log is None else A_log.reshape(H).astype(F32)
     dt_bias = jnp.zeros((H, K), F32) if dt_bias is None else dt_bias.reshape(H, K).astype(F32)
     return pl.pallas_call(
-        functools.partial(_prepare_kernel, l2norm=l2norm, gate=gate),
+        functools.partial(_prepare_kernel, l2norm=l2norm, gate=gate, base2=_base2(base2, q.dtype)),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(q.shape, F32)),
         grid=(total // CHUNK, H),
@@ -101,7 +116,7 @@ def prepare(q, k, g, A_log, dt_bias, *, l2norm, gate, num_warps=4, interpret=Fal
     )(q, k, g, A_log, dt_bias)
 
 
-def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, scale):
+def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, scale, base2):
     t, head_block = pl.program_id(0), pl.program_id(1)
     heads = pl.ds(head_block * heads_per_program, heads_per_program)
     first = t - t % SUB  # first token of t's sub-chunk
@@ -110,7 +125,7 @@ def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, 
     G_t = G_ref[t, heads, :]
 
     def score(j, carry):  # key token j <= t of the same sub-chunk: exact per-channel decay e^{G_t - G_j} <= 1
-        k_dec = kn_ref[j, heads, :].astype(F32) * pallas_exp.exp(G_t - G_ref[j, heads, :])  # [BH, K]
+        k_dec = kn_ref[j, heads, :].astype(F32) * _exp_of_G(base2)(G_t - G_ref[j, heads, :])  # [BH, K]
         aqk_ref[heads, t, j - first] = jnp.sum(q_t * k_dec, axis=1) * scale  # [BH]
         akk_ref[heads, t, j - first] = jnp.sum(k_t * k_dec, axis=1)  # at j = t too: `scores` keeps j < t only
         return carry
@@ -118,7 +133,7 @@ def _diag_kernel(qn_ref, kn_ref, G_ref, aqk_ref, akk_ref, *, heads_per_program, 
     lax.fori_loop(first, t + 1, score, 0)  # the entries j > t stay unset: `scores` masks them
 
 
-def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, interpret=False):
+def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, base2=None, interpret=False):
     """Kernel 2, token-parallel: one program per (token t, block of heads). Returns the diagonal 16x16 blocks
     aqk_d[h, t, s] = scale sum_c q_tc k_jc e^{G_tc - G_jc} and akk_d (same with k_t) for the key j = (first token of
     t's sub-chunk) + s <= t, both [H, Ttot, 16] fp32; the entries j > t are unset (and akk_d's j = t is not zero):
@@ -128,7 +143,8 @@ def diag(qn, kn, G, *, scale, heads_per_program=4, num_warps=1, interpret=False)
         heads_per_program //= 2
     out = jax.ShapeDtypeStruct((H, total, SUB), F32)
     return pl.pallas_call(
-        functools.partial(_diag_kernel, heads_per_program=heads_per_program, scale=scale),
+        functools.partial(_diag_kernel, heads_per_program=heads_per_program, scale=scale,
+                          base2=_base2(base2, qn.dtype)),
         out_shape=(out, out),
         grid=(total, H // heads_per_program),
         compiler_params=_params(num_warps),
@@ -161,21 +177,21 @@ def _unit_lower_inverse(n, dot):
     return inverse
 
 
-def _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols):
+def _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols, exp):
     """Sub-chunk i's rows over the key channels `cols`: q_i and k_i times e^{G_i - end_{i-1}} (fp32, [16, BK]) and
     end_{i-1} [1, BK], G at the end of sub-chunk i - 1."""
     rows = pl.ds(t0 + SUB * i, SUB)
     end_prev = G_ref[pl.ds(t0 + SUB * i - 1, 1), head, cols]
-    local = pallas_exp.exp(G_ref[rows, head, cols] - end_prev)
+    local = exp(G_ref[rows, head, cols] - end_prev)
     return qn_ref[rows, head, cols].astype(F32) * local, kn_ref[rows, head, cols].astype(F32) * local, end_prev
 
 
-def _key_operand(kn_ref, G_ref, head, t0, j, cols):
+def _key_operand(kn_ref, G_ref, head, t0, j, cols, exp):
     """Key sub-chunk j over the key channels `cols`: k_j e^{end_j - G_j} (fp32, [16, BK]) and end_j [1, BK], G at
     the end of sub-chunk j."""
     key_rows = pl.ds(t0 + SUB * j, SUB)
     end_j = G_ref[pl.ds(t0 + SUB * j + SUB - 1, 1), head, cols]
-    return kn_ref[key_rows, head, cols].astype(F32) * pallas_exp.exp(end_j - G_ref[key_rows, head, cols]), end_j
+    return kn_ref[key_rows, head, cols].astype(F32) * exp(end_j - G_ref[key_rows, head, cols]), end_j
 
 
 def _store_score_rows(aqkd_ref, akkd_ref, aqk_ref, akk_ref, head, rows, i, pairs, scale):
@@ -195,7 +211,7 @@ def _store_score_rows(aqkd_ref, akkd_ref, aqk_ref, akk_ref, head, rows, i, pairs
             aqk_ref[head, rows, block] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
 
 
-def _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, *, block_k, dot):
+def _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, *, block_k, dot, exp):
     """The pair blocks (A_qk unscaled, A_kk) [16, 16] fp32 of the rows `row_subchunks` against every key sub-chunk
     j < i, accumulated over blocks of block_k channels; each sub-chunk's operands (and their exponentials) computed
     once per channel block. Returns {(i, j): (A_qk, A_kk)}."""
@@ -206,13 +222,13 @@ def _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, *, block_k, dot)
 
     def accumulate(kb, acc):
         cols = pl.ds(kb * block_k, block_k)
-        keys = {j: _key_operand(kn_ref, G_ref, head, t0, j, cols) for j in key_subchunks}  # (kr_j, end_j)
+        keys = {j: _key_operand(kn_ref, G_ref, head, t0, j, cols, exp) for j in key_subchunks}  # (kr_j, end_j)
         out = list(acc)
         for i in sorted({i for i, _ in pairs}):
-            q_loc, k_loc, end_prev = _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols)
+            q_loc, k_loc, end_prev = _row_operands(qn_ref, kn_ref, G_ref, head, t0, i, cols, exp)
             for j in range(i):
                 n = pairs.index((i, j))
-                part = _pair_blocks(q_loc, k_loc, pallas_exp.exp(end_prev - keys[j][1]), keys[j][0], dot, 1.0)
+                part = _pair_blocks(q_loc, k_loc, exp(end_prev - keys[j][1]), keys[j][0], dot, 1.0)
                 out[n] = (acc[n][0] + part[0], acc[n][1] + part[1])
         return tuple(out)
 
@@ -222,14 +238,15 @@ def _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, *, block_k, dot)
 
 
 def _scores_kernel(qn_ref, kn_ref, G_ref, aqkd_ref, akkd_ref, aqk_ref, akk_ref, *, program_ids, row_groups, scale,
-                   block_k, precise, interpret):
+                   block_k, precise, base2, interpret):
     chunk, head, group = program_ids()
     t0 = chunk * CHUNK
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
     for g, row_subchunks in enumerate(row_groups):
         @pl.when(group == g)
         def _rows():
-            pairs = _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, block_k=block_k, dot=dot)
+            pairs = _score_rows(qn_ref, kn_ref, G_ref, head, t0, row_subchunks, block_k=block_k, dot=dot,
+                                exp=_exp_of_G(base2))
             for i in row_subchunks:
                 _store_score_rows(aqkd_ref, akkd_ref, aqk_ref, akk_ref, head, pl.ds(t0 + SUB * i, SUB), i,
                                   {j: pairs[i, j] for j in range(i)}, scale)
@@ -265,7 +282,7 @@ SCORE_ROW_GROUPS = {  # `scores` programs per (chunk, head): the row sub-chunks 
 }
 
 
-def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", num_stages=3,
+def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="halves", num_stages=3, base2=None,
            interpret=False):
     """Kernel 3: the [16, 16] score blocks of row sub-chunks i against key sub-chunks j < i (`_pair_blocks`,
     tensor-core products in tf32 with bf16 inputs, 3-pass tf32 with fp32, accumulated over blocks of block_k key
@@ -291,7 +308,8 @@ def scores(qn, kn, G, diag_blocks, *, scale, num_warps=1, block_k=16, programs="
     row_groups = SCORE_ROW_GROUPS[programs]
     grid, program_ids = _reversed_grid((total // CHUNK, H, len(row_groups)))
     kernel = functools.partial(_scores_kernel, program_ids=program_ids, row_groups=row_groups, scale=scale,
-                               block_k=block_k, precise=qn.dtype == F32, interpret=interpret)
+                               block_k=block_k, precise=qn.dtype == F32, base2=_base2(base2, qn.dtype),
+                               interpret=interpret)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((H, total, CHUNK), qn.dtype), jax.ShapeDtypeStruct((H, total, CHUNK), F32)),
@@ -311,7 +329,7 @@ def wy_inverse(akk, beta, *, dtype, num_warps=1, interpret=False):
         compiler_params=_params(num_warps), interpret=interpret, name="kda_chunk_inverse")(akk, beta)
 
 
-def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, block_cols, scale, dot):
+def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, block_cols, scale, dot, exp):
     """One block of `block_cols` key / value columns of `wu` for one (chunk, head): inverse [C, C] and beta [C, 1]
     loaded by the caller."""
     qn_ref, kn_ref, G_ref, v_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref = refs
@@ -322,10 +340,10 @@ def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, bloc
         G = G_ref[rows, head, cols]  # [C, BW]
         g_last = G_ref[pl.ds(chunk * CHUNK + CHUNK - 1, 1), head, cols]  # [1, BW]
         glast_ref[head, pl.ds(chunk, 1), cols] = g_last
-        e_G = pallas_exp.exp(G)
+        e_G = exp(G)
         qg_ref[head, rows, cols] = (qn_ref[rows, head, cols].astype(F32) * e_G * scale).astype(qg_ref.dtype)
         k = kn_ref[rows, head, cols].astype(F32)
-        kg_ref[head, rows, cols] = (k * pallas_exp.exp(g_last - G)).astype(kg_ref.dtype)
+        kg_ref[head, rows, cols] = (k * exp(g_last - G)).astype(kg_ref.dtype)
         w_ref[head, rows, cols] = dot(inverse, (beta * k * e_G).astype(inverse.dtype)).astype(w_ref.dtype)
 
     @pl.when(block < head_v // block_cols)
@@ -335,7 +353,7 @@ def _wu_columns(refs, inverse, beta, chunk, head, block, *, head_k, head_v, bloc
 
 
 def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref, *,
-               num_blocks, precise, interpret, **columns):
+               num_blocks, precise, base2, interpret, **columns):
     chunk, head = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(chunk * CHUNK, CHUNK)
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
@@ -344,13 +362,13 @@ def _wu_kernel(qn_ref, kn_ref, G_ref, v_ref, beta_ref, inverse_ref, qg_ref, kg_r
     refs = (qn_ref, kn_ref, G_ref, v_ref, qg_ref, kg_ref, w_ref, u_ref, glast_ref)
 
     def one_block(block, carry):
-        _wu_columns(refs, inverse, beta, chunk, head, block, dot=dot, **columns)
+        _wu_columns(refs, inverse, beta, chunk, head, block, dot=dot, exp=_exp_of_G(base2), **columns)
         return carry
 
     lax.fori_loop(0, num_blocks, one_block, 0)
 
 
-def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=None, num_stages=2, interpret=False):
+def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=None, num_stages=2, base2=None, interpret=False):
     """Kernel 5, one program per (chunk, head), reading T once and looping over blocks of WU_BLOCK key / value
     columns (pipelined over num_stages, as fla-core's recompute_w_u): w = T (beta k e^G), u = T (beta v) ([64, 64]
     x [64, WU_BLOCK] products with T's dtype as operands: bf16 with bf16 inputs, as in fla-core; fp32-accurate with
@@ -359,6 +377,7 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=None, num_stages=2, inte
     fp32. H200, B=8, T=4096 (benchmarks/RESULTS.md): 0.726-0.729 ms at 8 warps vs 0.750 at 4 in two runs (3 stages
     no faster); an fp32 T (tf32 products) 1.05 at 4 warps, 1.51 at 8; a program per column block with tf32 products
     1.15.
+    base2: G (and the returned G_last) in base 2, as `prepare` writes it (default: qn is bf16).
     Returns qg, kg, w [H, Ttot, K]; u [H, Ttot, V] (in qn's dtype) and G_last [H, Ttot/64, K] fp32."""
     total, H, K = qn.shape
     V = v.shape[-1]
@@ -367,7 +386,8 @@ def wu(qn, kn, G, v, beta, inverse, *, scale, num_warps=None, num_stages=2, inte
         num_warps = 8 if dtype == BF16 else 4
     block_cols = min(WU_BLOCK, K, V)  # K, V in SUPPORTED_HEAD_DIMS (powers of two): it divides both
     kernel = functools.partial(_wu_kernel, num_blocks=max(K, V) // block_cols, precise=dtype == F32,
-                               interpret=interpret, head_k=K, head_v=V, block_cols=block_cols, scale=scale)
+                               base2=_base2(base2, dtype), interpret=interpret, head_k=K, head_v=V,
+                               block_cols=block_cols, scale=scale)
     out_shape = (jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, K), dtype),
                  jax.ShapeDtypeStruct((H, total, K), dtype), jax.ShapeDtypeStruct((H, total, V), dtype),
                  jax.ShapeDtypeStruct((H, total // CHUNK, K), F32))
@@ -399,7 +419,7 @@ def intra(q, k, v, g, beta, A_log, dt_bias, *, scale, l2norm, gate, num_warps=1,
 
 
 def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref, offsets_ref, o_ref, ht_ref, *,
-                       block_v, interpret):
+                       block_v, base2, interpret):
     vblk, head, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(vblk * block_v, block_v)
     first, last = offsets_ref[seq], offsets_ref[seq + 1]
@@ -419,7 +439,7 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, glast_ref, h0_ref,
         v_op = v_new.astype(qg_ref.dtype)
         o = mm(qg_ref[head, rows, :], s_op) + mm(aqk_ref[head, rows, :], v_op)  # [C, BV]
         o_ref[rows, head, cols] = o.astype(o_ref.dtype)
-        decay = pallas_exp.exp(glast_ref[head, c, :])  # [K]
+        decay = _exp_of_G(base2)(glast_ref[head, c, :])  # [K]
         return state * decay[:, None] + mm(kg_ref[head, rows, :], v_op, trans_a=True)
 
     state = lax.fori_loop(first, last, body, h0_ref[seq, head, :, cols])
@@ -433,20 +453,22 @@ def recurrence_block_v(num_seqs: int, num_heads: int, head_v: int) -> int:
 
 
 def recurrence(qg, kg, w, u, aqk, g_last, initial_state, chunk_offsets, *, out_dtype, block_v=None, num_warps=4,
-               num_stages=None, interpret=False):
+               num_stages=None, base2=None, interpret=False):
     """Kernel 6. Intermediates from `intra`; initial_state [N, H, K, V] fp32; chunk_offsets [N + 1] int32 (the
     first chunk of each sequence). Returns o [Ttot, H, V] in out_dtype and the final states [N, H, K, V] fp32.
     block_v defaults to `recurrence_block_v` (the serial chunk loop runs once per program: few sequences want more,
     narrower programs).
     num_stages (software pipelining of the chunk loop's loads) defaults to 3 for bf16 inputs and 1 for fp32: one
-    stage of fp32 tiles is ~128 KB at K = 128, BV = 64, and 3 stages asked for 352 KB of an H200's 227 KB."""
+    stage of fp32 tiles is ~128 KB at K = 128, BV = 64, and 3 stages asked for 352 KB of an H200's 227 KB.
+    base2: g_last in base 2, as `wu` returns it (default: qg is bf16)."""
     H, total, K = qg.shape
     V = u.shape[-1]
     n_seq = initial_state.shape[0]
     block_v = min(block_v or recurrence_block_v(n_seq, H, V), V)
     if num_stages is None:
         num_stages = 3 if qg.dtype == BF16 else 1
-    kernel = functools.partial(_recurrence_kernel, block_v=block_v, interpret=interpret)
+    kernel = functools.partial(_recurrence_kernel, block_v=block_v, base2=_base2(base2, qg.dtype),
+                               interpret=interpret)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((total, H, V), out_dtype),
