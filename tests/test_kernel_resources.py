@@ -15,8 +15,9 @@ def test_triton_ir_of_each_kernel_variant_is_captured_on_cpu():
 
 
 def test_prefill_kernels_use_the_fast_exponential():
-    """diag, scores, wu and recurrence take e^x as exp2(x log2 e) (`MaxText/kernels/pallas_exp.py`): no libdevice
-    `__nv_expf` (~9 instructions per element) in their Triton IR."""
+    """diag, scores, wu and recurrence take their decays as exp2 (of a base-2 G with bf16 inputs, as here; of
+    x log2 e with fp32: `MaxText/kernels/pallas_exp.py`): no libdevice `__nv_expf` (~9 instructions per element)
+    in their Triton IR."""
     import re
     variants = kernel_resources.kernel_variants()
     for name in ("diag", "scores halves w1 block_k=16", "wu w4 stages=2", "recurrence bv32 (one sequence)"):
