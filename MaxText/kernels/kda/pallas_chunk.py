@@ -81,6 +81,7 @@ def _exp_of_G(base2):
 
 
 def _base2(base2, dtype):
+    """A kernel's `base2`: as given, or by default whether its inputs are bf16."""
     return dtype == BF16 if base2 is None else base2
 
 
