@@ -32,6 +32,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "weight_dtype": ("float32", "bfloat16"),
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
     "dense_matmul": ("auto", "xla", "pallas"),
+    "moe_router_kernel": ("auto", "xla", "pallas"),
     "speculative": ("none", "ngram", "draft_model"),
     "verify_checkpoint_dtype": ("float32",),
     "jax_distributed_initialize": ("auto", "always", "never"),

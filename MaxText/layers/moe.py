@@ -7,6 +7,9 @@
     weights  = s[experts] / (sum + 1e-20) if norm_topk_prob, times routed_scaling_factor
     y        = sum_k weights_k * SwiGLU_{expert_k}(x) + shared_experts(x)
 
+The routing after x Wr runs as `moe_router_kernel` picks (MaxText/kernels/moe_router: plain JAX, or one Pallas
+kernel on a GPU).
+
 Dispatch is dropless and sorted: the N*k (token, expert) pairs are sorted by expert, the expert SwiGLUs run as grouped
 matmuls over the sorted rows (each row meets only its own expert's weights; `moe_grouped_matmul` picks the
 implementation: MaxText/kernels/grouped_matmul), and the rows are unsorted, weighted and summed. Where the
@@ -21,29 +24,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels.grouped_matmul import grouped_matmul, rows_must_be_sorted
+from MaxText.kernels.moe_router import route_logits
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
-
-
-def route(scores: jax.Array, correction_bias: jax.Array, *, top_k: int, n_groups: int, top_k_groups: int,
-          norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
-    """Group-limited top-k routing. scores: [N, E] float32 sigmoid scores; correction_bias: [E].
-
-    Returns (weights [N, k] float32, expert ids [N, k] int32).
-    """
-    num_tokens, num_experts = scores.shape
-    choice = scores + correction_bias.astype(jnp.float32)[None, :]  # [N, E]
-    if n_groups > 1:
-        grouped = choice.reshape(num_tokens, n_groups, num_experts // n_groups)  # [N, G, E/G]
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
-        _, kept_groups = jax.lax.top_k(group_scores, top_k_groups)  # [N, top_k_groups]
-        group_kept = jnp.zeros((num_tokens, n_groups), jnp.bool_).at[
-            jnp.arange(num_tokens)[:, None], kept_groups].set(True)  # [N, G]
-        choice = jnp.where(group_kept[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
-    _, expert_ids = jax.lax.top_k(choice, top_k)  # [N, k]
-    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [N, k], the scores without the bias
-    if norm_topk_prob:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * routed_scaling_factor, expert_ids.astype(jnp.int32)
 
 
 class Router(nn.Module):
@@ -59,9 +41,9 @@ class Router(nn.Module):
         bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                           (cfg.num_experts,), jnp.float32)
         logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        return route(jax.nn.sigmoid(logits), bias, top_k=cfg.num_experts_per_tok, n_groups=cfg.n_routing_groups,
-                     top_k_groups=cfg.topk_routing_group, norm_topk_prob=cfg.norm_topk_prob,
-                     routed_scaling_factor=cfg.routed_scaling_factor)
+        return route_logits(logits, bias, top_k=cfg.num_experts_per_tok, n_groups=cfg.n_routing_groups,
+                            top_k_groups=cfg.topk_routing_group, norm_topk_prob=cfg.norm_topk_prob,
+                            routed_scaling_factor=cfg.routed_scaling_factor, implementation=cfg.moe_router_kernel)
 
 
 class RoutedExperts(nn.Module):

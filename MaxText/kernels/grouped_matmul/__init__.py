@@ -39,14 +39,23 @@ log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
-def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | None:
-    """Why the Pallas kernel cannot run here (None when it can)."""
+def single_gpu_reason(kernel: str) -> str | None:
+    """Why a Pallas `kernel` (named in the message) that XLA cannot partition cannot run here: not an NVIDIA GPU, or a
+    multi-device mesh is current. None when it can."""
     backend = jax.default_backend()
     if backend != "gpu" or "rocm" in jax.devices()[0].platform:
-        return f"the Pallas grouped matmul needs an NVIDIA GPU, and the default backend is {backend!r}"
+        return f"the {kernel} needs an NVIDIA GPU, and the default backend is {backend!r}"
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
-        return f"a {mesh.size}-device mesh is current, and XLA cannot partition the Pallas grouped matmul"
+        return f"a {mesh.size}-device mesh is current, and XLA cannot partition the {kernel}"
+    return None
+
+
+def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | None:
+    """Why the Pallas kernel cannot run here (None when it can)."""
+    reason = single_gpu_reason("Pallas grouped matmul")
+    if reason:
+        return reason
     try:
         module = importlib.import_module("MaxText.kernels.grouped_matmul.pallas_gmm")
     except ImportError as e:  # a JAX without Pallas' Triton lowering
@@ -54,7 +63,7 @@ def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> st
     return module.unsupported_reason(rows_dtype, contract_dim, out_dim)
 
 
-def _pallas_or_fallback(key: str, implementation: str, reason: str | None, fallback: str, alternatives: str) -> str:
+def pallas_or_fallback(key: str, implementation: str, reason: str | None, fallback: str, alternatives: str) -> str:
     """'pallas' when it can run (reason is None); else an error naming `reason` for an explicit `key`=pallas, or
     `fallback` for auto, logged once per reason."""
     if reason is None:
@@ -78,7 +87,7 @@ def resolve(implementation: str, rows_dtype=None, contract_dim: int = 128, out_d
     if implementation == "auto" and jax.default_backend() == "tpu":
         return "ragged_dot"
     reason = pallas_unavailable_reason(rows_dtype or "bfloat16", contract_dim, out_dim)
-    return _pallas_or_fallback("moe_grouped_matmul", implementation, reason, "ragged_dot", "auto, ragged_dot or gather")
+    return pallas_or_fallback("moe_grouped_matmul", implementation, reason, "ragged_dot", "auto, ragged_dot or gather")
 
 
 def as_tuple(arrays) -> tuple[tuple, bool]:
@@ -137,7 +146,7 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
     if implementation == "auto" and (jax.default_backend() != "gpu" or num_rows > DENSE_PALLAS_MAX_ROWS
                                      or jnp.dtype(dtype) != jnp.bfloat16):
         return "xla"
-    return _pallas_or_fallback("dense_matmul", implementation, pallas_unavailable_reason(dtype, contract_dim, out_dim),
+    return pallas_or_fallback("dense_matmul", implementation, pallas_unavailable_reason(dtype, contract_dim, out_dim),
                                "xla", "auto or xla")
 
 

@@ -1,0 +1,76 @@
+"""Pallas (Triton lowering) MoE routing for one GPU: sigmoid, correction bias, top-k, normalization and scaling in
+one kernel, one program per token (the XLA version is four to six small kernels per MoE layer: sigmoid and bias,
+top-k, the gather of the chosen scores, the normalization).
+
+    weights [N, k] f32, ids [N, k] int32 = route_logits(logits [N, E] f32, correction_bias [E], ...)
+
+Top-k by k rounds of (max, lowest expert id holding it, masked out): the experts come out in descending order of
+their choice value and ties go to the lower id, as `jax.lax.top_k` orders them (naive.route, the oracle). Ungrouped
+routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block shapes). Runs under
+`interpret=True` on CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+
+
+def unsupported_reason(num_experts: int, top_k: int, n_groups: int) -> str | None:
+    """None when the kernel takes this routing."""
+    if n_groups != 1:
+        return f"the Pallas router does not do group-limited routing (n_routing_groups={n_groups})"
+    for name, value in (("num_experts", num_experts), ("num_experts_per_tok", top_k)):
+        if value < 1 or value & (value - 1):
+            return f"the Pallas router needs {name} to be a power of two, got {value}"
+    if top_k > num_experts:
+        return f"num_experts_per_tok={top_k} exceeds num_experts={num_experts}"
+    return None
+
+
+def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, norm_topk_prob, scaling):
+    token = pl.program_id(0)
+    scores = jax.nn.sigmoid(logits_ref[token, :].astype(F32))  # [E]
+    choice = scores + bias_ref[...].astype(F32)  # [E], used only to choose
+    num_experts = scores.shape[0]
+    expert = jnp.arange(num_experts, dtype=jnp.int32)
+    slot = jnp.arange(top_k, dtype=jnp.int32)
+    ids, weights = jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), F32)
+    for i in range(top_k):
+        pick = jnp.min(jnp.where(choice == jnp.max(choice), expert, num_experts))  # the lowest id of the max
+        chosen = expert == pick
+        ids = jnp.where(slot == i, pick, ids)
+        weights = jnp.where(slot == i, jnp.sum(jnp.where(chosen, scores, 0.0)), weights)
+        choice = jnp.where(chosen, -jnp.inf, choice)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights) + 1e-20)
+    weights_ref[token, :] = weights * scaling
+    ids_ref[token, :] = ids
+
+
+def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """logits [N, E] (the router's x W, float32), correction_bias [E] -> (weights [N, k] float32, ids [N, k]
+    int32): naive.route(sigmoid(logits), correction_bias, ...) with n_groups = 1."""
+    num_tokens, num_experts = logits.shape
+    reason = unsupported_reason(num_experts, top_k, 1)
+    if reason:
+        raise ValueError(reason)
+    if correction_bias.shape != (num_experts,):
+        raise ValueError(f"correction_bias must be [{num_experts}], got {correction_bias.shape}")
+    kernel = functools.partial(_route_kernel, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                               scaling=float(routed_scaling_factor))
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, top_k), F32), jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)),
+        grid=(num_tokens,),
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="moe_route",
+    )(logits.astype(F32), correction_bias.astype(F32))

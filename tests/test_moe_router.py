@@ -1,0 +1,83 @@
+"""MoE routing kernels (MaxText/kernels/moe_router): the Pallas router (interpret mode) against the plain-JAX
+oracle, its limits, the dispatcher, and the Router layer wired to it."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import pyconfig
+from MaxText.kernels import moe_router
+from MaxText.kernels.moe_router import pallas_route, route
+
+
+def _logits(rng, tokens, experts):
+    """Random logits with exact ties (some values repeated within a row) and a correction bias."""
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    logits[:, 1::7] = logits[:, :1]  # every 7th expert ties with expert 0
+    bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
+    bias[1::7] = bias[0]
+    return jnp.asarray(logits), jnp.asarray(bias)
+
+
+@pytest.mark.parametrize("experts,top_k,norm", [(256, 8, True), (8, 2, False), (64, 4, True)])
+def test_pallas_router_matches_the_oracle(experts, top_k, norm):
+    """Same experts in the same order (descending choice, ties to the lower id, as lax.top_k) and the same weights;
+    the ties are exact (the same logit and bias), so a kernel that broke them differently would be caught."""
+    logits, bias = _logits(np.random.default_rng(experts), 37, experts)
+    kw = dict(top_k=top_k, norm_topk_prob=norm, routed_scaling_factor=2.446)
+    weights, ids = pallas_route.route_logits(logits, bias, interpret=True, **kw)
+    want_weights, want_ids = route(jax.nn.sigmoid(logits), bias, n_groups=1, top_k_groups=1, **kw)
+    assert ids.dtype == jnp.int32 and weights.dtype == jnp.float32 and ids.shape == (37, top_k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6, atol=1e-7)
+
+
+def test_pallas_router_limits():
+    assert pallas_route.unsupported_reason(256, 8, 1) is None
+    assert "group-limited" in pallas_route.unsupported_reason(256, 8, 4)
+    assert "num_experts to be a power of two, got 96" in pallas_route.unsupported_reason(96, 8, 1)
+    assert "num_experts_per_tok to be a power of two, got 6" in pallas_route.unsupported_reason(64, 6, 1)
+    with pytest.raises(ValueError, match=r"correction_bias must be \[16\]"):
+        pallas_route.route_logits(jnp.zeros((2, 16)), jnp.zeros((8,)), top_k=2, norm_topk_prob=True,
+                                  routed_scaling_factor=1.0, interpret=True)
+
+
+def test_dispatcher_choices_and_errors(monkeypatch):
+    assert moe_router.resolve("auto", 256, 8, 1) == "xla"  # CPU
+    assert moe_router.resolve("xla", 256, 8, 1) == "xla"
+    with pytest.raises(RuntimeError, match="moe_router_kernel=pallas was requested, but .*NVIDIA GPU"):
+        moe_router.resolve("pallas", 256, 8, 1)
+    with pytest.raises(ValueError, match="moe_router_kernel='cuda' is unknown"):
+        moe_router.resolve("cuda", 256, 8, 1)
+    monkeypatch.setattr(moe_router, "single_gpu_reason", lambda kernel: None)  # as on one GPU
+    assert moe_router.resolve("auto", 256, 8, 1) == "pallas"
+    assert moe_router.resolve("auto", 256, 8, 4) == "xla"  # group-limited routing: the oracle
+    with pytest.raises(RuntimeError, match="does not do group-limited routing"):
+        moe_router.resolve("pallas", 256, 8, 4)
+
+
+def test_router_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
+    """moe.Router with moe_router_kernel=pallas routes through the kernel (run by the interpreter here, as if on one
+    GPU) and chooses what the plain-JAX routing chooses."""
+    from MaxText.layers.moe import Router
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["num_experts=16", "num_experts_per_tok=4",
+                                                              "emb_dim=32"])
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2 * 5, 32)), jnp.float32)
+    router = Router(config)
+    params = nn.meta.unbox(router.init(jax.random.PRNGKey(0), x))
+    params["params"]["e_score_correction_bias"] = jnp.linspace(-0.1, 0.1, 16)
+    want = router.apply(params, x)
+    calls, kernel_fn = [], pallas_route.route_logits
+
+    def interpreted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return kernel_fn(*args, interpret=True, **kwargs)
+    monkeypatch.setattr(moe_router, "single_gpu_reason", lambda kernel: None)
+    monkeypatch.setattr(pallas_route, "route_logits", interpreted)
+    got = Router(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, [
+        "num_experts=16", "num_experts_per_tok=4", "emb_dim=32", "moe_router_kernel=pallas"])).apply(params, x)
+    assert calls == [(10, 16)]
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
