@@ -59,6 +59,7 @@ def kernel_variants():
     """name -> (num_warps, num_stages, fn, abstract args): the defaults and the variants `kda_kernels.py --tune`
     and `--sweep` time."""
     from MaxText.kernels.kda import pallas_chunk as pc, pallas_ops
+    from MaxText.kernels.moe_router import pallas_route
     S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     q, G, beta = S((TOKENS, H, K), bf), S((TOKENS, H, K), f32), S((TOKENS, H), bf)
     diag_blocks, akk = (S((H, TOKENS, 16), f32),) * 2, S((H, TOKENS, 64), f32)
@@ -85,7 +86,6 @@ def kernel_variants():
         variants[f"packed decode bv{block_v} w{warps}" + (" one_pass" if one_pass else "")] = (
             warps, 1, lambda *a, bv=block_v, w=warps, o=one_pass: pallas_ops.packed_decode_kda(
                 *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w, one_pass=o), decode)
-    from MaxText.kernels.moe_router import pallas_route
     for tokens in (1, 64):
         variants[f"moe route {tokens} tokens"] = (1, 1, lambda *a: pallas_route.route_logits(
             *a, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446), (S((tokens, 256), f32), S((256,), f32)))
