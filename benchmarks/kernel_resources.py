@@ -56,8 +56,8 @@ print(f"shared={kernel.metadata.shared} triton={triton.__version__} sass=" +
 
 
 def kernel_variants():
-    """name -> (num_warps, num_stages, fn, abstract args): the defaults and the variants `kda_kernels.py --tune`
-    and `--sweep` time."""
+    """name -> (num_warps, num_stages, fn, abstract args): the KDA kernels' defaults and the variants
+    `kda_kernels.py --tune` and `--sweep` time, and the MoE router kernel."""
     from MaxText.kernels.kda import pallas_chunk as pc, pallas_ops
     from MaxText.kernels.moe_router import pallas_route
     S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
