@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from MaxText import pyconfig
-from MaxText.kernels import moe_router
+from MaxText.kernels import grouped_matmul, moe_router
 from MaxText.kernels.moe_router import pallas_route, route
 
 
@@ -51,7 +51,7 @@ def test_dispatcher_choices_and_errors(monkeypatch):
         moe_router.resolve("pallas", 256, 8, 1)
     with pytest.raises(ValueError, match="moe_router_kernel='cuda' is unknown"):
         moe_router.resolve("cuda", 256, 8, 1)
-    monkeypatch.setattr(moe_router, "single_gpu_reason", lambda kernel: None)  # as on one GPU
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)  # as on one GPU
     assert moe_router.resolve("auto", 256, 8, 1) == "pallas"
     assert moe_router.resolve("auto", 256, 8, 4) == "xla"  # group-limited routing: the oracle
     with pytest.raises(RuntimeError, match="does not do group-limited routing"):
@@ -74,7 +74,7 @@ def test_router_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     def interpreted(*args, **kwargs):
         calls.append(args[0].shape)
         return kernel_fn(*args, interpret=True, **kwargs)
-    monkeypatch.setattr(moe_router, "single_gpu_reason", lambda kernel: None)
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
     monkeypatch.setattr(pallas_route, "route_logits", interpreted)
     got = Router(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, [
         "num_experts=16", "num_experts_per_tok=4", "emb_dim=32", "moe_router_kernel=pallas"])).apply(params, x)

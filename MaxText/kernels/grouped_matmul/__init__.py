@@ -51,16 +51,24 @@ def single_gpu_reason(kernel: str) -> str | None:
     return None
 
 
-def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | None:
-    """Why the Pallas kernel cannot run here (None when it can)."""
-    reason = single_gpu_reason("Pallas grouped matmul")
+def pallas_kernel_reason(kernel: str, module_name: str, *args) -> str | None:
+    """Why the Pallas `kernel` (named in the message) of module `module_name` cannot run here: `single_gpu_reason`,
+    a failed import (a JAX without Pallas' Triton lowering), or the module's `unsupported_reason(*args)`. None when
+    it can."""
+    reason = single_gpu_reason(kernel)
     if reason:
         return reason
     try:
-        module = importlib.import_module("MaxText.kernels.grouped_matmul.pallas_gmm")
-    except ImportError as e:  # a JAX without Pallas' Triton lowering
-        return f"the Pallas grouped matmul does not import ({e})"
-    return module.unsupported_reason(rows_dtype, contract_dim, out_dim)
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        return f"the {kernel} does not import ({e})"
+    return module.unsupported_reason(*args)
+
+
+def pallas_unavailable_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | None:
+    """Why the Pallas kernel cannot run here (None when it can)."""
+    return pallas_kernel_reason("Pallas grouped matmul", "MaxText.kernels.grouped_matmul.pallas_gmm", rows_dtype,
+                                contract_dim, out_dim)
 
 
 def pallas_or_fallback(key: str, implementation: str, reason: str | None, fallback: str, alternatives: str) -> str:

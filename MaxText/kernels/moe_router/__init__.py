@@ -16,11 +16,9 @@ Implementations:
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 
-from MaxText.kernels.grouped_matmul import pallas_or_fallback, single_gpu_reason
+from MaxText.kernels.grouped_matmul import pallas_kernel_reason, pallas_or_fallback
 from MaxText.kernels.moe_router.naive import route
 
 CHOICES = ("auto", "xla", "pallas")
@@ -28,14 +26,8 @@ CHOICES = ("auto", "xla", "pallas")
 
 def pallas_unavailable_reason(num_experts: int, top_k: int, n_groups: int) -> str | None:
     """Why the Pallas router cannot run here (None when it can)."""
-    reason = single_gpu_reason("Pallas router")
-    if reason:
-        return reason
-    try:
-        module = importlib.import_module("MaxText.kernels.moe_router.pallas_route")
-    except ImportError as e:  # a JAX without Pallas' Triton lowering
-        return f"the Pallas router does not import ({e})"
-    return module.unsupported_reason(num_experts, top_k, n_groups)
+    return pallas_kernel_reason("Pallas router", "MaxText.kernels.moe_router.pallas_route", num_experts, top_k,
+                                n_groups)
 
 
 def resolve(implementation: str, num_experts: int, top_k: int, n_groups: int) -> str:
