@@ -38,8 +38,8 @@ its cumulative gates in base 2 too); every kernel takes `base2` (default: its in
 agree. fp32 inputs keep the natural G: scaling a large |G| costs |G| x 6e-8 of absolute error in every exponent
 (an fp32 interpret test's final state moved from within 1e-5 to 1.8e-5 of the oracle), far below bf16's rounding.
 Timed on an H200 (B=8, T=4096, bf16): scores 0.674 vs 0.711 ms, diag 0.892 vs 0.911, wu even. All run under
-`interpret=True` on CPU (the tests do, at small shapes). Per-kernel times and the open gap to fla-core: benchmarks/RESULTS.md
-(`python benchmarks/kda_kernels.py --tune`).
+`interpret=True` on CPU (the tests do, at small shapes). Per-kernel times and the open gap to fla-core:
+benchmarks/RESULTS.md (`python benchmarks/kda_kernels.py --tune`).
 """
 
 from __future__ import annotations
