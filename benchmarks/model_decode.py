@@ -80,7 +80,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
-from MaxText import pyconfig, random_init, sharding  # noqa: E402
+from MaxText import pyconfig, random_init, sharding, xla_flags  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
 from MaxText.kernels import grouped_matmul  # noqa: E402
 from MaxText.layers.moe import Router  # noqa: E402
@@ -586,8 +586,11 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         log(f"decode {setting}: XLA does not write every output in place of its own input (buffers move between "
             f"steps: CUDA graphs touching them are re-recorded every step)")
 
+    warmup_tokens = []  # greedy tokens of the untimed steps: equal across XLA flags / variants of the same program
     for _ in range(args.warmup):
         cache, tokens, counts = step(setup.params, cache, tokens, counts)
+        warmup_tokens.append(np.asarray(tokens))
+    tokens_crc32 = zlib.crc32(np.stack(warmup_tokens).tobytes()) if warmup_tokens else None
     timed_from = np.asarray(counts)
     blocks, issued = [], []
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
@@ -615,7 +618,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
            "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
            "distinct_experts_per_layer": per_layer.tolist(),
            "distinct_experts_mean": float(per_layer.mean()) if per_layer.size else 0.0,
-           "distinct_experts_uniform": uniform}
+           "distinct_experts_uniform": uniform, "warmup_tokens_crc32": tokens_crc32}
     row["bytes"] = decode_bytes_per_step(config, batch, args.prompt_len, per_layer if per_layer.size else 0.0)
     if copy_bw:
         bandwidth = copy_bw * setup.mesh.size
@@ -627,7 +630,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     log(f"decode {setting}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
         f"host dispatch {row['dispatch_ms']:.3f} ms per step; synced step {row['synced_step_ms'] or 0:.3f} ms; "
         f"distinct experts/layer {row['distinct_experts_mean']:.1f} "
-        f"(uniform {uniform:.1f}){memory_note()}")
+        f"(uniform {uniform:.1f}); warm-up tokens crc32 {tokens_crc32}{memory_note()}")
     if row["distinct_experts_mean"] < 0.8 * uniform:
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
             f"measured counts")
@@ -676,7 +679,8 @@ def environment(argv: Sequence[str]) -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python", "benchmarks/model_decode.py", *argv]), "jax": jax.__version__,
             "jaxlib": getattr(jaxlib, "__version__", "?"), "python": platform.python_version(),
-            "platform": device.platform, "device": device.device_kind, "num_devices": jax.device_count()}
+            "platform": device.platform, "device": device.device_kind, "num_devices": jax.device_count(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def write_json(out_dir: str, results: dict) -> str:
@@ -864,4 +868,5 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    xla_flags.set_defaults()  # the flags a user of train_or_decode.py gets, before JAX starts its backend
     sys.exit(1 if main()["errors"] else 0)

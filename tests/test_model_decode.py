@@ -14,6 +14,7 @@ import pytest
 from benchmarks import model_decode
 from MaxText import pyconfig
 from MaxText.layers.models import KimiLinearForCausalLM
+from MaxText.xla_flags import with_defaults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "kimi_linear_tiny.yml")
@@ -102,6 +103,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "model_decode.json").read_text())
     assert results["errors"] == {}
+    # The project's default XLA flags joined the caller's (MaxText/xla_flags.py), and the JSON records them.
+    assert results["env"]["xla_flags"] == with_defaults(xla_flags) != xla_flags
     assert set(results["stages"]) == {"copy", "init", "prefill", "decode"}
     assert results["params"]["count"] > 0 and results["copy_bandwidth"]["used_Bps"] > 0
     assert results["prefill"]["prompt_len"] == 64 and results["prefill"]["chunk"] == 32
@@ -117,6 +120,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         # Issuing a block of steps ends before waiting for it: the host's share of a step is at most its time.
         assert 0 < row["dispatch_ms"] <= row["tpot_ms"]
         assert row["outputs_in_place"]  # cache, tokens and expert counts all donated and aliased
+        assert isinstance(row["warmup_tokens_crc32"], int)
         # The router's choices, counted inside the step: top-2 of 8 experts for each of 3 MoE layers.
         assert len(row["distinct_experts_per_layer"]) == 3
         assert all(2 <= d <= min(8, 2 * row["batch"]) for d in row["distinct_experts_per_layer"])
@@ -126,6 +130,11 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
+    # A variant that changes no math (fused_projections) decodes the same greedy tokens.
+    by_batch = {}
+    for row in results["decode"]:
+        by_batch.setdefault(row["batch"], set()).add(row["warmup_tokens_crc32"])
+    assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
                        "### Profile, batch 2, moe auto (gather)", "| 2 | auto (gather), fused_projections=false |"):

@@ -10,8 +10,8 @@
 Implementations:
   xla     naive.route, the oracle: plain JAX, any backend, group-limited routing.
   pallas  pallas_route.py: one Triton kernel for all of it, one program per token (NVIDIA GPU, no multi-device mesh;
-          n_groups = 1, E and k powers of two). Not yet timed in the model.
-  auto    pallas where it runs, else xla (one log line).
+          n_groups = 1, E and k powers of two). H200, Kimi-Linear-48B batch-1 decode: 3.675 vs 3.831 ms per token.
+  auto    pallas where it runs, else xla (one log line); the default.
 """
 
 from __future__ import annotations
