@@ -81,11 +81,11 @@ def kernel_variants():
     for block_v in (64, 32, 16):
         variants[f"recurrence bv{block_v} (one sequence)"] = (4, 3, lambda *a, bv=block_v: pc.recurrence(
             *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
-    for block_v, warps, one_pass in ((128, 4, False), (64, 2, False), (64, 4, False), (32, 4, False),
-                                     (64, 2, True), (128, 4, True)):
-        variants[f"packed decode bv{block_v} w{warps}" + (" one_pass" if one_pass else "")] = (
-            warps, 1, lambda *a, bv=block_v, w=warps, o=one_pass: pallas_ops.packed_decode_kda(
-                *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w, one_pass=o), decode)
+    for block_v, warps, programs in ((128, 4, None), (64, 2, None), (64, 4, None), (32, 4, None), (64, 4, 264),
+                                     (32, 4, 528), (32, 2, 528)):  # programs: persistent, the next item's loads early
+        variants[f"packed decode bv{block_v} w{warps}" + (f" persistent" if programs else "")] = (
+            warps, 1, lambda *a, bv=block_v, w=warps, p=programs: pallas_ops.packed_decode_kda(
+                *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w, programs=p), decode)
     for tokens in (1, 64):
         variants[f"moe route {tokens} tokens"] = (1, 1, lambda *a: pallas_route.route_logits(
             *a, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446), (S((tokens, 256), f32), S((256,), f32)))
