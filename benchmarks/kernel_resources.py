@@ -57,7 +57,8 @@ print(f"shared={kernel.metadata.shared} triton={triton.__version__} sass=" +
 
 def kernel_variants():
     """name -> (num_warps, num_stages, fn, abstract args): the KDA kernels' defaults and the variants
-    `kda_kernels.py --tune` and `--sweep` time, and the MoE router kernel."""
+    `kda_kernels.py --tune` and `--sweep` time, and the MoE router's kernels."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
     from MaxText.kernels.kda import pallas_chunk as pc, pallas_ops
     from MaxText.kernels.moe_router import pallas_route
     S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
@@ -83,12 +84,15 @@ def kernel_variants():
             *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
     for block_v, warps, programs in ((128, 4, None), (64, 2, None), (64, 4, None), (32, 4, None), (64, 4, 264),
                                      (32, 4, 528), (32, 2, 528)):  # programs: persistent, the next item's loads early
-        variants[f"packed decode bv{block_v} w{warps}" + (f" persistent" if programs else "")] = (
+        variants[f"packed decode bv{block_v} w{warps}" + (" persistent" if programs else "")] = (
             warps, 1, lambda *a, bv=block_v, w=warps, p=programs: pallas_ops.packed_decode_kda(
                 *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w, programs=p), decode)
-    for tokens in (1, 64):
+    for tokens, parts in ((1, 18), (64, 1)):  # decode: 18 partial sums of the product (D = 2304)
         variants[f"moe route {tokens} tokens"] = (1, 1, lambda *a: pallas_route.route_logits(
-            *a, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446), (S((tokens, 256), f32), S((256,), f32)))
+            *a, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446), (S((parts, tokens, 256), f32),
+                                                                             S((256,), f32)))
+    variants["moe router product 1 token"] = (4, 1, pallas_gmm.vector_matrix_partials,
+                                              (S((1, 2304), f32), S((2304, 256), bf)))
     return variants
 
 

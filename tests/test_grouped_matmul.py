@@ -71,6 +71,23 @@ def test_pallas_interpret_matches_gather_bf16_prefill_tiles():
     assert rel <= 1e-2, f"bf16 relative L2 error {rel:.3g}"
 
 
+def test_vector_matrix_partials_sum_to_the_product_of_a_bf16_kernel_under_fp32_rows():
+    """One partial product per 128-channel block of K, the kernel read as stored (bf16) and multiplied in fp32:
+    each part is that block's exact product, and they sum to the fp32 product."""
+    rng = np.random.default_rng(2)
+    rows = jnp.asarray(rng.normal(size=(3, 384)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(384, 64)), jnp.bfloat16)
+    parts = pallas_gmm.vector_matrix_partials(rows, kernel, block_n=32, interpret=True)
+    assert parts.shape == (3, 3, 64) and parts.dtype == jnp.float32
+    exact = np.asarray(kernel, np.float64)
+    for block in range(3):
+        want = np.asarray(rows, np.float64)[:, block * 128:(block + 1) * 128] @ exact[block * 128:(block + 1) * 128]
+        np.testing.assert_allclose(np.asarray(parts[block]), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(rows, np.float64) @ exact, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"expected a kernel \[384, N\] for rows \[3, 384\], got \(64, 384\)"):
+        pallas_gmm.vector_matrix_partials(rows, kernel.T, interpret=True)
+
+
 def test_dispatcher_choices_and_errors():
     assert gmm.resolve("auto") == "gather"  # CPU
     assert gmm.resolve("ragged_dot") == "ragged_dot"

@@ -34,6 +34,22 @@ def test_pallas_router_matches_the_oracle(experts, top_k, norm):
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6, atol=1e-7)
 
 
+def test_pallas_router_sums_partial_logits_first():
+    """Logits given as partial sums [S, N, E] (the router's product split over D) route as their sum does, ties
+    included (the parts repeat the tied columns, so the sums tie exactly)."""
+    rng = np.random.default_rng(5)
+    logits, bias = _logits(rng, 9, 64)
+    split = np.asarray(rng.standard_normal((3, 9, 64)), np.float32)
+    split[:, :, 1::7] = split[:, :, :1]
+    parts = jnp.stack([logits - split[0] - split[1], jnp.asarray(split[0]), jnp.asarray(split[1])])  # [3, N, E]
+    kw = dict(top_k=4, norm_topk_prob=True, routed_scaling_factor=2.446)
+    weights, ids = pallas_route.route_logits(parts, bias, interpret=True, **kw)
+    want_weights, want_ids = route(jax.nn.sigmoid(parts[0] + parts[1] + parts[2]), bias, n_groups=1, top_k_groups=1,
+                                   **kw)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6, atol=1e-7)
+
+
 def test_pallas_router_limits():
     assert pallas_route.unsupported_reason(256, 8, 1) is None
     assert "group-limited" in pallas_route.unsupported_reason(256, 8, 4)
@@ -58,26 +74,35 @@ def test_dispatcher_choices_and_errors(monkeypatch):
         moe_router.resolve("pallas", 256, 8, 4)
 
 
-def test_router_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
-    """moe.Router with moe_router_kernel=pallas routes through the kernel (run by the interpreter here, as if on one
-    GPU) and chooses what the plain-JAX routing chooses."""
+@pytest.mark.parametrize("tokens,parts", [(10, 2), (17, None)])  # decode sizes: the product in Pallas too
+def test_router_layer_takes_the_pallas_kernels_when_resolved(monkeypatch, tokens, parts):
+    """moe.Router with moe_router_kernel=pallas routes through the kernels (run by the interpreter here, as if on one
+    GPU) and chooses what the plain-JAX routing chooses. Up to 16 tokens the product is the Pallas vector-matrix
+    kernel (emb_dim 256: two partial sums of 128 channels, added by the routing kernel); above, XLA's."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
     from MaxText.layers.moe import Router
-    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["num_experts=16", "num_experts_per_tok=4",
-                                                              "emb_dim=32"])
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2 * 5, 32)), jnp.float32)
+    overrides = ["num_experts=16", "num_experts_per_tok=4", "emb_dim=256"]
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, overrides)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((tokens, 256)), jnp.float32)
     router = Router(config)
     params = nn.meta.unbox(router.init(jax.random.PRNGKey(0), x))
     params["params"]["e_score_correction_bias"] = jnp.linspace(-0.1, 0.1, 16)
     want = router.apply(params, x)
-    calls, kernel_fn = [], pallas_route.route_logits
+    calls = []
 
-    def interpreted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return kernel_fn(*args, interpret=True, **kwargs)
+    def interpreted(name, fn):
+        def call(*args, **kwargs):
+            calls.append((name, args[0].shape))
+            return fn(*args, interpret=True, **kwargs)
+        return call
     monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
-    monkeypatch.setattr(pallas_route, "route_logits", interpreted)
-    got = Router(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, [
-        "num_experts=16", "num_experts_per_tok=4", "emb_dim=32", "moe_router_kernel=pallas"])).apply(params, x)
-    assert calls == [(10, 16)]
+    monkeypatch.setattr(pallas_route, "route_logits", interpreted("route", pallas_route.route_logits))
+    monkeypatch.setattr(pallas_gmm, "vector_matrix_partials", interpreted("product", pallas_gmm.vector_matrix_partials))
+    got = Router(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, overrides + ["moe_router_kernel=pallas"])).apply(
+        params, x)
+    if parts:
+        assert calls == [("product", (tokens, 256)), ("route", (parts, tokens, 16))]
+    else:
+        assert calls == [("route", (tokens, 16))]
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)

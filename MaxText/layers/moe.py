@@ -7,8 +7,8 @@
     weights  = s[experts] / (sum + 1e-20) if norm_topk_prob, times routed_scaling_factor
     y        = sum_k weights_k * SwiGLU_{expert_k}(x) + shared_experts(x)
 
-The routing after x Wr runs as `moe_router_kernel` picks (MaxText/kernels/moe_router: plain JAX, or one Pallas
-kernel on a GPU).
+The router's product and routing run as `moe_router_kernel` picks (MaxText/kernels/moe_router: plain JAX, or
+Pallas kernels on a GPU).
 
 Dispatch is dropless and sorted: the N*k (token, expert) pairs are sorted by expert, the expert SwiGLUs run as grouped
 matmuls over the sorted rows (each row meets only its own expert's weights; `moe_grouped_matmul` picks the
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels.grouped_matmul import grouped_matmul, rows_must_be_sorted
-from MaxText.kernels.moe_router import route_logits
+from MaxText.kernels.moe_router import route_tokens
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
 
 
@@ -40,8 +40,7 @@ class Router(nn.Module):
                             (x.shape[-1], cfg.num_experts), jnp.dtype(cfg.weight_dtype))
         bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                           (cfg.num_experts,), jnp.float32)
-        logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        return route_logits(logits, bias, top_k=cfg.num_experts_per_tok, n_groups=cfg.n_routing_groups,
+        return route_tokens(x, kernel, bias, top_k=cfg.num_experts_per_tok, n_groups=cfg.n_routing_groups,
                             top_k_groups=cfg.topk_routing_group, norm_topk_prob=cfg.norm_topk_prob,
                             routed_scaling_factor=cfg.routed_scaling_factor, implementation=cfg.moe_router_kernel)
 

@@ -220,16 +220,9 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
     partial_dtype = rows.dtype if split_k == 1 else jnp.float32
     k_blocks = contract // block_k // split_k
-    if num_rows <= rowwise_max_rows:  # one launch per weight array (one program for several was slower, above)
-        per_launch = len(weights) if rows_one_launch else 1
-        call = pl.pallas_call(
-            functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=k_blocks, split_k=split_k),
-            out_shape=(jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),) * per_launch,
-            grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
-            name="grouped_matmul_rows")
-        groups = row_groups.astype(jnp.int32)
-        outs = (call(groups, rows, *weights) if rows_one_launch else
-                tuple(out for w in weights for out in call(groups, rows, w)))
+    if num_rows <= rowwise_max_rows:
+        outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
+                                 params=params, one_launch=rows_one_launch, interpret=interpret)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
@@ -247,6 +240,45 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         )(group, start, end, padded, *weights)
         outs = tuple(out[:, :num_rows] for out in outs)
     return tuple(out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype) for out in outs)
+
+
+def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret):
+    """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
+    rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (slower alone,
+    see `grouped_matmul`)."""
+    num_rows, contract = rows.shape
+    out_dim = weights[0].shape[2]
+    partial_dtype = rows.dtype if split_k == 1 else jnp.float32
+    per_launch = len(weights) if one_launch else 1
+    call = pl.pallas_call(
+        functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
+                          split_k=split_k),
+        out_shape=(jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),) * per_launch,
+        grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
+        name="grouped_matmul_rows")
+    groups = row_groups.astype(jnp.int32)
+    return call(groups, rows, *weights) if one_launch else tuple(out for w in weights for out in call(groups, rows, w))
+
+
+def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int = 128, block_n: int = 64,
+                           num_warps: int = 4, interpret: bool = False) -> jax.Array:
+    """rows [M, K] (few: one program per row and block) x kernel [K, N] -> [K / block_k, M, N] float32 partial
+    products, one per block of K (their sum is rows @ kernel), for a consumer that sums them itself (the MoE router
+    kernel sums them while it routes: no separate reduction). The `rows` grid with one group and K split into every
+    block; both operands are multiplied in float32 as stored (a bf16 kernel under fp32 rows is not converted first:
+    exact products)."""
+    num_rows, contract = rows.shape
+    if kernel.ndim != 2 or kernel.shape[0] != contract:
+        raise ValueError(f"expected a kernel [{contract}, N] for rows [{num_rows}, {contract}], got {kernel.shape}")
+    reason = unsupported_reason(rows.dtype, contract, kernel.shape[1])
+    if reason:
+        raise ValueError(reason)
+    block_k, block_n = _block(contract, block_k), _block(kernel.shape[1], block_n)
+    (parts,) = _rowwise_partials(rows, (kernel[None],), jnp.zeros((num_rows,), jnp.int32), block_k=block_k,
+                                 block_n=block_n, split_k=contract // block_k,
+                                 params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), one_launch=False,
+                                 interpret=interpret)
+    return parts
 
 
 def tiles_pipeline_stages(requested: int, block_m: int, block_k: int, block_n: int, num_weights: int, dtype) -> int:

@@ -1,22 +1,29 @@
-"""MoE routing (config key `moe_router_kernel`): the router's logits -> each token's top-k experts and weights.
+"""MoE routing (config key `moe_router_kernel`): tokens and the router's kernel -> each token's top-k experts and
+weights.
 
-    weights, ids = route_logits(logits, correction_bias, top_k=8, n_groups=1, top_k_groups=1, norm_topk_prob=True,
-                                routed_scaling_factor=2.446, implementation="xla")
-    logits [N, E] float32 (x W_router), correction_bias [E]  ->  weights [N, k] float32, ids [N, k] int32
+    weights, ids = route_tokens(x, kernel, correction_bias, top_k=8, n_groups=1, top_k_groups=1,
+                                norm_topk_prob=True, routed_scaling_factor=2.446, implementation="xla")
+    x [N, D], kernel [D, E] (any float dtype; multiplied in float32), correction_bias [E]
+        ->  weights [N, k] float32, ids [N, k] int32
 
-    scores = sigmoid(logits); choice = scores + correction_bias (chooses only); top-k of choice (within the kept
+    logits = x W (float32); scores = sigmoid(logits); choice = scores + correction_bias (chooses only); top-k of choice (within the kept
     groups); weights = the chosen scores, normalized (norm_topk_prob) and times routed_scaling_factor.
 
 Implementations:
-  xla     naive.route, the oracle: plain JAX, any backend, group-limited routing.
-  pallas  pallas_route.py: one Triton kernel for all of it, one program per token (NVIDIA GPU, no multi-device mesh;
-          n_groups = 1, E and k powers of two). H200, Kimi-Linear-48B batch-1 decode: 3.675 vs 3.831 ms per token.
+  xla     `jnp.dot` at HIGHEST precision, then naive.route, the oracle: plain JAX, any backend, group-limited routing
+          (on a GPU: the kernel's float32 copy, the product, and 4-6 small routing kernels per MoE layer).
+  pallas  pallas_route.py: one Triton kernel for the routing, one program per token (NVIDIA GPU, no multi-device
+          mesh; n_groups = 1, E and k powers of two). For at most pallas_gmm.ROWWISE_MAX_ROWS tokens (decode) the
+          product is one Pallas launch too (`pallas_gmm.vector_matrix_partials`: float32 products of the kernel as
+          stored, one partial sum per block of D, which the routing kernel adds up): two kernels per MoE layer.
+          H200, Kimi-Linear-48B batch-1 decode: 3.675 vs 3.831 ms per token with the routing kernel alone.
   auto    pallas where it runs, else xla (one log line); the default.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from MaxText.kernels.grouped_matmul import pallas_kernel_reason, pallas_or_fallback
 from MaxText.kernels.moe_router.naive import route
@@ -40,13 +47,27 @@ def resolve(implementation: str, num_experts: int, top_k: int, n_groups: int) ->
                               pallas_unavailable_reason(num_experts, top_k, n_groups), "xla", "auto or xla")
 
 
-def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int, n_groups: int, top_k_groups: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float,
+def route_tokens(x: jax.Array, kernel: jax.Array, correction_bias: jax.Array, *, top_k: int, n_groups: int,
+                 top_k_groups: int, norm_topk_prob: bool, routed_scaling_factor: float,
                  implementation: str = "xla") -> tuple[jax.Array, jax.Array]:
     """See the module docstring."""
-    if resolve(implementation, logits.shape[-1], top_k, n_groups) == "pallas":
-        from MaxText.kernels.moe_router import pallas_route  # pylint: disable=import-outside-toplevel
-        return pallas_route.route_logits(logits, correction_bias, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                                         routed_scaling_factor=routed_scaling_factor)
-    return route(jax.nn.sigmoid(logits), correction_bias, top_k=top_k, n_groups=n_groups, top_k_groups=top_k_groups,
-                 norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    num_tokens, dim = x.shape
+    x = x.astype(jnp.float32)
+    options = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    if resolve(implementation, kernel.shape[-1], top_k, n_groups) == "pallas":
+        # pylint: disable=import-outside-toplevel
+        from MaxText.kernels.grouped_matmul import pallas_gmm
+        from MaxText.kernels.moe_router import pallas_route
+        if (num_tokens <= pallas_gmm.ROWWISE_MAX_ROWS
+                and pallas_gmm.unsupported_reason(jnp.float32, dim, kernel.shape[-1]) is None):
+            logits = pallas_gmm.vector_matrix_partials(x, kernel)  # [D / 128, N, E] partial sums
+        else:
+            logits = _logits(x, kernel)
+        return pallas_route.route_logits(logits, correction_bias, **options)
+    return route(jax.nn.sigmoid(_logits(x, kernel)), correction_bias, n_groups=n_groups, top_k_groups=top_k_groups,
+                 **options)
+
+
+def _logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [N, D] float32 @ kernel [D, E] in float32 (HIGHEST: no bf16 / tf32 passes) -> [N, E]."""
+    return jnp.dot(x, kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)

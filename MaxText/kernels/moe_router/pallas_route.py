@@ -4,6 +4,9 @@ top-k, the gather of the chosen scores, the normalization).
 
     weights [N, k] f32, ids [N, k] int32 = route_logits(logits [N, E] f32, correction_bias [E], ...)
 
+`logits` may also come as partial sums [S, N, E] (the router's product split over K into S blocks,
+`pallas_gmm.vector_matrix_partials`): the kernel adds them up first, so the product needs no reduction of its own.
+
 Top-k by k rounds of (max, lowest expert id holding it, masked out): the experts come out in descending order of
 their choice value and ties go to the lower id, as `jax.lax.top_k` orders them (naive.route, the oracle). Ungrouped
 routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block shapes). Runs under
@@ -36,7 +39,10 @@ def unsupported_reason(num_experts: int, top_k: int, n_groups: int) -> str | Non
 
 def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, norm_topk_prob, scaling):
     token = pl.program_id(0)
-    scores = jax.nn.sigmoid(logits_ref[token, :].astype(F32))  # [E]
+    logits = logits_ref[0, token, :]  # [E]
+    for part in range(1, logits_ref.shape[0]):  # partial sums of the router's product, in order
+        logits = logits + logits_ref[part, token, :]
+    scores = jax.nn.sigmoid(logits)  # [E]
     choice = scores + bias_ref[...].astype(F32)  # [E], used only to choose
     num_experts = scores.shape[0]
     expert = jnp.arange(num_experts, dtype=jnp.int32)
@@ -56,9 +62,12 @@ def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, norm_top
 
 def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int, norm_topk_prob: bool,
                  routed_scaling_factor: float, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """logits [N, E] (the router's x W, float32), correction_bias [E] -> (weights [N, k] float32, ids [N, k]
-    int32): naive.route(sigmoid(logits), correction_bias, ...) with n_groups = 1."""
-    num_tokens, num_experts = logits.shape
+    """logits [N, E] (the router's x W, float32) or its partial sums [S, N, E], correction_bias [E] -> (weights
+    [N, k] float32, ids [N, k] int32): naive.route(sigmoid(logits (summed over S)), correction_bias, ...) with
+    n_groups = 1."""
+    if logits.ndim == 2:
+        logits = logits[None]  # one part
+    num_tokens, num_experts = logits.shape[1:]
     reason = unsupported_reason(num_experts, top_k, 1)
     if reason:
         raise ValueError(reason)
