@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.kda.pallas_decode import delta_rule_step, gate_params, token_factors
+from MaxText.kernels.kda.pallas_decode import delta_rule_step, token_factors
 
 
 def _verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, slot_ref, states_in_ref, o_ref,
@@ -37,12 +37,11 @@ def _verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, slot
     cols = pl.ds(vblk * block_v, block_v)
     read_slot = slot_ref[row]
 
-    alog, dtb = gate_params(alog_ref, dtb_ref, head, head_k=head_k, gate_in_kernel=gate_in_kernel)
-
     def token(t, state):  # state: [K, BV] fp32
         q, k, g, beta = token_factors(
-            q_ref[row, t, head, :], k_ref[row, t, head, :], g_ref[row, t, head, :], beta_ref[row, t, head], alog,
-            dtb, scale=scale, gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=False)
+            q_ref[row, t, head, :], k_ref[row, t, head, :], g_ref[row, t, head, :], beta_ref[row, t, head],
+            alog_ref, dtb_ref, head, head_k=head_k, scale=scale, gate_in_kernel=gate_in_kernel,
+            l2norm_in_kernel=l2norm_in_kernel, beta_logit=False)
         state, o = delta_rule_step(state, q, k, v_ref[row, t, head, cols].astype(jnp.float32), g, beta)
         o_ref[row, t, head, cols] = o.astype(o_ref.dtype)
         write_slot = jax.lax.rem(read_slot + first_write + t, num_out_slots)  # all non-negative
