@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from MaxText import pyconfig, xla_flags
+from MaxText import pyconfig
 from MaxText.pyconfig import ConfigError
 
 
@@ -31,7 +31,6 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     _setup_logging(config.log_level)
-    logging.getLogger(__name__).info("XLA_FLAGS=%s", xla_flags.set_defaults())  # before JAX starts its backend
     from MaxText import decode, sharding, train  # after logging is set up: importing JAX is slow and chatty
 
     sharding.maybe_initialize_distributed(config)  # multi-host: before anything else touches the devices

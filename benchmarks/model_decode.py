@@ -80,7 +80,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
-from MaxText import pyconfig, random_init, sharding, xla_flags  # noqa: E402
+from MaxText import pyconfig, random_init, sharding  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
 from MaxText.kernels import grouped_matmul  # noqa: E402
 from MaxText.layers.moe import Router  # noqa: E402
@@ -868,5 +868,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    xla_flags.set_defaults()  # the flags a user of train_or_decode.py gets, before JAX starts its backend
     sys.exit(1 if main()["errors"] else 0)
