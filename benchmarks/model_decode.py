@@ -21,7 +21,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            cache (chunked prefill bounds the MoE dispatch's temporaries); median wall time of --prefill-repeats runs
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
   decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
-           on the same params, e.g. fused_projections=true): the prefilled prompt's cache repeated over B rows
+           on the same params, e.g. fused_projections=true; keys 'xla_...' are XLA options of the step's compile,
+           e.g. xla_gpu_command_buffer_scheduling_mode=CONCURRENT): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
            Every output of the step is written in place of its own donated input (cache, tokens, the running
@@ -396,11 +397,12 @@ class Setup:
     def cache_shardings(self, batch: int):
         return sharding.cache_shardings(self.abstract_cache(batch), self.mesh, self.config)
 
-    def compile(self, fn, example_args, **jit_kwargs):
-        """(jax.jit(fn, **jit_kwargs) lowered and compiled for `example_args`, the seconds that took)."""
+    def compile(self, fn, example_args, xla_options=None, **jit_kwargs):
+        """(jax.jit(fn, **jit_kwargs) lowered and compiled for `example_args` with the XLA compile options
+        `xla_options`, the seconds that took)."""
         start = time.perf_counter()
         with sharding.mesh_context(self.mesh, self.config):
-            compiled = jax.jit(fn, **jit_kwargs).lower(*example_args).compile()
+            compiled = jax.jit(fn, **jit_kwargs).lower(*example_args).compile(xla_options or None)
         return compiled, time.perf_counter() - start
 
 
@@ -548,12 +550,28 @@ def batch_cache(setup: Setup, prefilled, batch: int, context: int):
     return jax.jit(lambda: jax.tree_util.tree_map_with_path(synthetic, abstract), out_shardings=shardings)()
 
 
+XLA_OPTION_PREFIX = "xla_"
+
+
 def variant_overrides(variant: str) -> dict[str, str]:
-    """A --decode-variants value, 'key=value,key=value' ('' = none), as a dict of config overrides."""
+    """A --decode-variants value, 'key=value,key=value' ('' = none), as a dict: config overrides, and XLA options
+    of the decode step's compile for keys that start with 'xla_' (`variant_xla_options`)."""
     pairs = [item.split("=", 1) for item in variant.split(",") if item.strip()]
     if any(len(pair) != 2 or not pair[0].strip() for pair in pairs):
         raise ValueError(f"decode variant {variant!r}: expected comma-separated key=value config overrides")
     return {key.strip(): value.strip() for key, value in pairs}
+
+
+def variant_config_overrides(variant: str) -> dict[str, str]:
+    """The config overrides of a --decode-variants value (its keys that are not XLA options)."""
+    return {k: v for k, v in variant_overrides(variant).items() if not k.startswith(XLA_OPTION_PREFIX)}
+
+
+def variant_xla_options(variant: str) -> dict[str, str]:
+    """The XLA options of a --decode-variants value (keys 'xla_...', e.g. xla_gpu_autotune_level=0): passed to the
+    decode step's compile only (`jax.stages.Lowered.compile`), so one process compares programs that differ only in
+    them, on the same params and cache. XLA refuses an unknown option or value when the step compiles."""
+    return {k: v for k, v in variant_overrides(variant).items() if k.startswith(XLA_OPTION_PREFIX)}
 
 
 def decode_setting(batch: int, moe: str, variant: str) -> str:
@@ -568,7 +586,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     multiple = sharding.batch_multiple(setup.mesh, setup.config)
     if batch % multiple:
         raise ValueError(f"batch {batch} is not a multiple of the mesh's {multiple} batch shards")
-    config = load_benchmark_config(args, moe_grouped_matmul=moe, **variant_overrides(variant))
+    config = load_benchmark_config(args, moe_grouped_matmul=moe, **variant_config_overrides(variant))
     setting = decode_setting(batch, moe, variant)
     cache = batch_cache(setup, prefilled, batch, args.prompt_len)
     rng = np.random.default_rng(batch)
@@ -579,7 +597,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     step, compile_s = setup.compile(
         make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens, counts),
         in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1), replicated),
-        out_shardings=(cache_shardings, setup.rows(1), replicated), donate_argnums=(1, 2, 3))
+        out_shardings=(cache_shardings, setup.rows(1), replicated), donate_argnums=(1, 2, 3),
+        xla_options=variant_xla_options(variant))
     log(f"decode {setting}: compiled in {compile_s:.1f} s")
     in_place = outputs_in_place(step, first_input=len(jax.tree.leaves(setup.params)))
     if not in_place:
@@ -778,7 +797,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="moe_grouped_matmul values to decode with (each one is a decode setting)")
     parser.add_argument("--decode-variants", nargs="+", default=[""],
                         help="config overrides per decode setting, each 'key=value,...' ('' = none), on the same "
-                             "params (e.g. 'fused_projections=true' 'dense_matmul=xla')")
+                             "params (e.g. 'fused_projections=true' 'dense_matmul=xla'); keys 'xla_...' are XLA "
+                             "options of the step's compile (e.g. 'xla_gpu_command_buffer_scheduling_mode=CONCURRENT')")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps before timing")

@@ -92,11 +92,15 @@ def test_profile_helpers_name_ops_by_model_component():
     assert model_decode._exclusive([(0, 10), (2, 3), (3, 1), (12, 4)]) == [7, 2, 1, 4]
 
 
+# A config override and an XLA option of the decode step's compile (accepted, and without effect, on CPU).
+VARIANT = "fused_projections=false,xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+
+
 def test_smoke_run_end_to_end_on_cpu(tmp_path):
     xla_flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()  # compiles faster
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_decode.py"), "--smoke", "--out",
-                           str(tmp_path), "--decode-variants", "", "fused_projections=false", "--trace-dir",
+                           str(tmp_path), "--decode-variants", "", VARIANT, "--trace-dir",
                            str(tmp_path / "traces")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -109,9 +113,9 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert results["prefill"]["tokens_per_s"] > 0
     assert [(r["batch"], r["moe"], r["moe_impl"], r["dense_impl"], r["variant"], r["fused_projections"])
             for r in results["decode"]] == [(1, "auto", "gather", "xla", "", True),
-                                            (1, "auto", "gather", "xla", "fused_projections=false", False),
+                                            (1, "auto", "gather", "xla", VARIANT, False),
                                             (2, "auto", "gather", "xla", "", True),
-                                            (2, "auto", "gather", "xla", "fused_projections=false", False)]
+                                            (2, "auto", "gather", "xla", VARIANT, False)]
     for row in results["decode"]:
         assert row["tpot_ms"] > 0 and row["roofline_ms"] > 0 and row["cache"] == "prefill"
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["tpot_ms"] * 1e3)
@@ -128,14 +132,15 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
-    # A variant that changes no math (fused_projections) decodes the same greedy tokens.
+    # A variant that changes no math (fused_projections; an XLA option of the step's compile) decodes the same
+    # greedy tokens.
     by_batch = {}
     for row in results["decode"]:
         by_batch.setdefault(row["batch"], set()).add(row["warmup_tokens_crc32"])
     assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
-                       "### Profile, batch 2, moe auto (gather)", "| 2 | auto (gather), fused_projections=false |"):
+                       "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
 
 
@@ -145,6 +150,8 @@ def test_decode_variants_parse_into_config_overrides():
         "fused_projections": "true", "dense_matmul": "xla"}
     with pytest.raises(ValueError, match="expected comma-separated key=value"):
         model_decode.variant_overrides("fused_projections")
+    assert model_decode.variant_config_overrides(VARIANT) == {"fused_projections": "false"}
+    assert model_decode.variant_xla_options(VARIANT) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
 def test_malformed_decode_variant_is_refused_before_any_stage(capsys):
@@ -186,3 +193,7 @@ def test_decode_step_writes_each_output_in_place_of_its_own_input():
                                  out_shardings=(setup.rows(1), replicated, setup.cache_shardings(batch)), **shardings)
     assert None not in model_decode.aliased_inputs(reordered)
     assert not model_decode.outputs_in_place(reordered, first)
+    # A decode variant's XLA options reach XLA's compile of the step (an unknown one is refused there).
+    with pytest.raises(Exception, match="No such compile option: 'xla_not_an_option'"):
+        setup.compile(decode_step, (setup.params, cache, tokens, counts), xla_options={"xla_not_an_option": "1"},
+                      out_shardings=(setup.cache_shardings(batch), setup.rows(1), replicated), **shardings)
