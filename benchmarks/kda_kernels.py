@@ -328,7 +328,8 @@ def bench_decode(B, args, results, copy_bw):
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
     if args.sweep:  # block_v, warps
-        variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw) for bv, nw in ((64, 2), (128, 4), (32, 4))}
+        variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
+                    for bv, nw in ((64, 2), (64, 8), (128, 4), (128, 16), (32, 4))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)

@@ -82,7 +82,7 @@ def kernel_variants():
     for block_v in (64, 32, 16):
         variants[f"recurrence bv{block_v} (one sequence)"] = (4, 3, lambda *a, bv=block_v: pc.recurrence(
             *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
-    for block_v, warps in ((128, 4), (64, 2), (64, 4), (32, 4)):
+    for block_v, warps in ((128, 4), (128, 16), (64, 2), (64, 4), (64, 8), (32, 4)):
         variants[f"packed decode bv{block_v} w{warps}"] = (
             warps, 1, lambda *a, bv=block_v, w=warps: pallas_ops.packed_decode_kda(
                 *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w), decode)
