@@ -71,6 +71,28 @@ def test_pallas_interpret_matches_gather_bf16_prefill_tiles():
     assert rel <= 1e-2, f"bf16 relative L2 error {rel:.3g}"
 
 
+@pytest.mark.parametrize("rows_one_launch", [False, True])
+def test_rows_grid_extra_weights_serve_the_groups_past_e(rows_one_launch):
+    """Rows of group E + x meet extra matrix x (as if it were appended to the [E, K, N] arrays), for a tuple of
+    weight arrays in one or several launches; too many rows for the rows grid, or mismatched extras, are refused."""
+    rng = np.random.default_rng(3)
+    weights = [jnp.asarray(rng.normal(size=(6, 64, 48)) / 8, jnp.float32) for _ in range(2)]
+    extras = [jnp.asarray(rng.normal(size=(2, 64, 48)) / 8, jnp.float32) for _ in range(2)]
+    row_groups = jnp.asarray([3, 6, 0, 7, 6, 5, 3], jnp.int32)  # 6 and 7: the extra matrices
+    rows = jnp.asarray(rng.normal(size=(7, 64)), jnp.float32)
+    sizes = jnp.zeros((6,), jnp.int32)  # unused by the rows grid
+    got = pallas_gmm.grouped_matmul(rows, tuple(weights), sizes, row_groups, extra_weights=tuple(extras), block_k=32,
+                                    split_k=2, rows_one_launch=rows_one_launch, interpret=True)
+    for g, w, x in zip(got, weights, extras):
+        want = gather_matmul(rows, jnp.concatenate([w, x]), row_groups, precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="extra_weights need the rows grid"):
+        pallas_gmm.grouped_matmul(rows, weights[0], sizes, row_groups, extra_weights=extras[0], rowwise_max_rows=4,
+                                  interpret=True)
+    with pytest.raises(ValueError, match=r"one extra weight array \[X, 64, 48\] per weight array"):
+        pallas_gmm.grouped_matmul(rows, tuple(weights), sizes, row_groups, extra_weights=extras[0], interpret=True)
+
+
 def test_vector_matrix_partials_sum_to_the_product_of_a_bf16_kernel_under_fp32_rows():
     """One partial product per 128-channel block of K, the kernel read as stored (bf16) and multiplied in fp32:
     each part is that block's exact product, and they sum to the fp32 product."""
@@ -283,9 +305,9 @@ def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch
     from MaxText import pyconfig
     from MaxText.layers.linears import MLP
     plain = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
-                                                                   "fused_projections=false"]), 128)
+                                                                   "emb_dim=256", "fused_projections=false"]), 128)
     fused = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
-                                                                   "fused_projections=true"]), 128)
+                                                                   "emb_dim=256", "fused_projections=true"]), 128)
     x = jnp.asarray(np.random.default_rng(6).normal(size=(1, 1, 256)), jnp.bfloat16)
     params = plain.init(jax.random.key(0), x)
     jax.tree.map(np.testing.assert_array_equal, params, fused.init(jax.random.key(0), x))

@@ -66,24 +66,42 @@ def project(config: ml_collections.FrozenConfigDict, x: jax.Array, kernel):
                         precision=matmul_precision(config))
 
 
-def dense_together(config: ml_collections.FrozenConfigDict, x: jax.Array, features: int,
-                   kernel_axes: Sequence[str | None], names: Sequence[str]) -> tuple[jax.Array, ...]:
-    """x @ kernel for several projections of the same x with the same shape, each a `Dense(config, features,
-    kernel_axes, name=name)` of the calling (compact) module: the same params (`name/kernel`) and products. With
-    `config.fused_projections`, one `dense_matmul` call for the group (the Pallas kernel: one launch)."""
-    kernels = tuple(DenseKernel(config, (x.shape[-1], features), kernel_axes, name=name)() for name in names)
+def project_together(config: ml_collections.FrozenConfigDict, x: jax.Array, kernels) -> tuple[jax.Array, ...]:
+    """x @ each of several same-shape kernels: with `config.fused_projections` one `dense_matmul` call for all (the
+    Pallas kernel: one launch), else one call each."""
     if config.fused_projections:
-        return project(config, x, kernels)
+        return project(config, x, tuple(kernels))
     return tuple(project(config, x, kernel) for kernel in kernels)
 
 
+def dense_together(config: ml_collections.FrozenConfigDict, x: jax.Array, features: int,
+                   kernel_axes: Sequence[str | None], names: Sequence[str]) -> tuple[jax.Array, ...]:
+    """x @ kernel for several projections of the same x with the same shape, each a `Dense(config, features,
+    kernel_axes, name=name)` of the calling (compact) module: the same params (`name/kernel`) and products, by
+    `project_together`."""
+    kernels = tuple(DenseKernel(config, (x.shape[-1], features), kernel_axes, name=name)() for name in names)
+    return project_together(config, x, kernels)
+
+
 class MLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)), intermediate size `intermediate_dim`."""
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)) on x [..., emb_dim], intermediate size `intermediate_dim`.
+
+    `kernels()` returns the three kernels (for a caller that multiplies them itself: the MoE's shared expert as rows
+    of the routed experts' kernels)."""
     config: ml_collections.FrozenConfigDict
     intermediate_dim: int
 
-    @nn.compact
+    def setup(self):
+        dim, inner = self.config.emb_dim, self.intermediate_dim
+        self.gate_proj = DenseKernel(self.config, (dim, inner), ("embed", "mlp"))
+        self.up_proj = DenseKernel(self.config, (dim, inner), ("embed", "mlp"))
+        self.down_proj = DenseKernel(self.config, (inner, dim), ("mlp", "embed"))
+
+    def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate_proj [D, I], up_proj [D, I], down_proj [I, D]) in the activation dtype."""
+        return self.gate_proj(), self.up_proj(), self.down_proj()
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = dense_together(self.config, x, self.intermediate_dim, ("embed", "mlp"),
-                                  ("gate_proj", "up_proj"))  # [..., I] each
-        return Dense(self.config, x.shape[-1], ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
+        gate_kernel, up_kernel, down_kernel = self.kernels()
+        gate, up = project_together(self.config, x, (gate_kernel, up_kernel))  # [..., I] each
+        return project(self.config, nn.silu(gate) * up, down_kernel)

@@ -35,6 +35,9 @@ import jax.numpy as jnp
 from MaxText.kernels.grouped_matmul.naive import gather_matmul
 
 CHOICES = ("auto", "ragged_dot", "gather", "pallas")
+# The Pallas kernel's `rows` grid (vector-matrix, any row order) up to this many rows, its `tiles` grid above
+# (pallas_gmm.py; defined here so that callers need not import Pallas).
+ROWWISE_MAX_ROWS = 16
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -106,16 +109,21 @@ def as_tuple(arrays) -> tuple[tuple, bool]:
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
-                   implementation: str = "auto", precision=None):
+                   implementation: str = "auto", precision=None, extra_weights=None):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
-    and fp32 ones in 3-pass tf32."""
+    and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1, on the
+    Pallas `rows` grid only (`extra_groups_supported`; pallas_gmm.grouped_matmul)."""
     weights, several = as_tuple(weights)
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
+    if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
+                                                                weights[0].shape[2], rows.shape[0]):
+        raise ValueError(f"extra_weights need the Pallas rows grid (at most {ROWWISE_MAX_ROWS} rows); "
+                         f"moe_grouped_matmul={implementation!r} runs {chosen} for {rows.shape[0]} rows")
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        outs = pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups)
+        outs = pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups, extra_weights=extra_weights)
     else:
         product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
                    if chosen == "ragged_dot" else
@@ -124,15 +132,20 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     return outs if several else outs[0]
 
 
+def extra_groups_supported(implementation: str, rows_dtype, contract_dim: int, out_dim: int, num_rows: int) -> bool:
+    """Whether `grouped_matmul` takes extra_weights for this call: the Pallas kernel's `rows` grid runs it."""
+    return (resolve(implementation, rows_dtype, contract_dim, out_dim) == "pallas"
+            and num_rows <= ROWWISE_MAX_ROWS)
+
+
 def rows_must_be_sorted(implementation: str, rows_dtype, contract_dim: int, out_dim: int, num_rows: int) -> bool:
     """Whether `grouped_matmul` needs its rows sorted by group for this call: ragged_dot and the Pallas `tiles`
-    grid do; gather and the Pallas `rows` grid (<= pallas_gmm.ROWWISE_MAX_ROWS rows, decode) multiply every row by
+    grid do; gather and the Pallas `rows` grid (<= ROWWISE_MAX_ROWS rows, decode) multiply every row by
     its own group's matrix in any order, so a caller may skip the sort and the unsort (a few small kernels per MoE
     layer and step)."""
     chosen = resolve(implementation, rows_dtype, contract_dim, out_dim)
     if chosen == "pallas":
-        from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        return num_rows > pallas_gmm.ROWWISE_MAX_ROWS
+        return num_rows > ROWWISE_MAX_ROWS
     return chosen == "ragged_dot"
 
 

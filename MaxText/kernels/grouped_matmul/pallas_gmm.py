@@ -33,13 +33,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul import as_tuple
+from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, as_tuple
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
-# The `rows` grid up to this many rows, the `tiles` grid above. H200, 48B expert shapes, routing within 48 experts:
-# 16 rows 24 / 26 us (rows) vs 33 / 29 (tiles); 32 rows 49 / 51 vs 42 / 42; 64 rows 66 / 76 vs 57 / 55.
-ROWWISE_MAX_ROWS = 16
+# The `rows` grid up to ROWWISE_MAX_ROWS rows (16, set in the package __init__), the `tiles` grid above. H200, 48B
+# expert shapes, routing within 48 experts: 16 rows 24 / 26 us (rows) vs 33 / 29 (tiles); 32 rows 49 / 51 vs 42 / 42;
+# 64 rows 66 / 76 vs 57 / 55.
 SHARED_MEMORY_BYTES = 232448  # per thread block on an H200 (227 KiB): bounds the `tiles` grid's pipeline stages
 
 
@@ -118,35 +118,46 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, split_k):
-    """refs: the weight refs, then one output ref per weight. Grid axis 2 enumerates (weight, K split): each program
-    multiplies one row by one weight array's [K / split_k, block_n] block."""
-    w_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, split_k, num_weights, num_groups):
+    """refs: the weight refs, then (with extra weights) one extra weight ref per weight, then one output ref per
+    weight. Grid axis 2 enumerates (weight, K split): each program multiplies one row by one weight array's
+    [K / split_k, block_n] block; a row of group g >= num_groups uses the extra weights' matrix g - num_groups."""
+    w_refs, out_refs = refs[:num_weights], refs[len(refs) - num_weights:]
+    extra_refs = refs[num_weights:len(refs) - num_weights]  # () or one per weight
     row, col_block, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    split = program if len(w_refs) == 1 else program % split_k
+    split = program if num_weights == 1 else program % split_k
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
-    def product(w_ref, out_ref):
+    def product(w_ref, matrix, out_ref):
         def body(kb, acc):
             ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
             x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
-            return acc + jnp.sum(x[:, None] * w_ref[group, ks, cols].astype(jnp.float32), axis=0)  # [BN]
+            return acc + jnp.sum(x[:, None] * w_ref[matrix, ks, cols].astype(jnp.float32), axis=0)  # [BN]
 
         acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
         out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
-    if len(w_refs) == 1:
-        product(w_refs[0], out_refs[0])
+    def weight_product(which):
+        if not extra_refs:
+            product(w_refs[which], group, out_refs[which])
+            return
+        extra = group >= num_groups
+        pl.when(jnp.logical_not(extra))(functools.partial(product, w_refs[which], group, out_refs[which]))
+        pl.when(extra)(functools.partial(product, extra_refs[which], group - num_groups, out_refs[which]))
+
+    if num_weights == 1:
+        weight_product(0)
         return
-    for which, (w_ref, out_ref) in enumerate(zip(w_refs, out_refs)):
-        pl.when(program // split_k == which)(functools.partial(product, w_ref, out_ref))
+    for which in range(num_weights):
+        pl.when(program // split_k == which)(functools.partial(weight_product, which))
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, interpret: bool = False):
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, extra_weights=None,
+                   interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -164,13 +175,22 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     split_k > 1 cuts K into that many equal parts, each its own program (more programs for few rows), writing
     float32 partial products that are then summed.
 
-    Differentiable: the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this kernel's forward and
-    the previous default's gradients."""
+    extra_weights: on the `rows` grid (M <= rowwise_max_rows), one [X, K, N] array per weight array (a tuple when
+    `weights` is one): a row of group E + x (row_groups up to E + X - 1) is multiplied by extra matrix x, e.g. an
+    MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
+    the [E, K, N] arrays). Forward only (decode).
+
+    Differentiable (without extra_weights): the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this
+    kernel's forward and the previous default's gradients."""
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("rows_one_launch", rows_one_launch), ("interpret", interpret))
     weights, several = as_tuple(weights)
-    outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
+    if extra_weights is None:
+        outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
+    else:
+        extras, _ = as_tuple(extra_weights)
+        outs = _launch(rows, weights, group_sizes, row_groups, extra_weights=extras, **dict(options))
     return outs if several else outs[0]
 
 
@@ -193,8 +213,9 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
-            rowwise_max_rows, rows_one_launch, interpret):
-    """weights: a tuple of [E, K, N] arrays -> a tuple of [M, N] products."""
+            rowwise_max_rows, rows_one_launch, interpret, extra_weights=()):
+    """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
+    only) -> a tuple of [M, N] products."""
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights[0].shape
     reason = unsupported_reason(rows.dtype, contract, out_dim)
@@ -205,6 +226,14 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"expected weights [E, {contract}, N] (all of one shape), group_sizes [E] and row_groups "
                          f"[{num_rows}], got {[w.shape for w in weights]}, {group_sizes.shape} and "
                          f"{row_groups.shape}")
+    if extra_weights:
+        if len(extra_weights) != len(weights) or any(x.ndim != 3 or x.shape[1:] != (contract, out_dim)
+                                                     for x in extra_weights):
+            raise ValueError(f"expected one extra weight array [X, {contract}, {out_dim}] per weight array, got "
+                             f"{[x.shape for x in extra_weights]} for {len(weights)}")
+        if num_rows > rowwise_max_rows:
+            raise ValueError(f"extra_weights need the rows grid (M <= rowwise_max_rows={rowwise_max_rows}), got "
+                             f"M={num_rows}")
     block_k = _block(contract, block_k)
     defaults = default_tiles(num_rows, rows.dtype, contract // block_k)
     block_m = block_m or defaults["block_m"]
@@ -214,6 +243,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
                          f"{contract} makes")
     weights = tuple(w.astype(rows.dtype) for w in weights)
+    extra_weights = tuple(x.astype(rows.dtype) for x in extra_weights)
     if num_rows > rowwise_max_rows:
         num_stages = tiles_pipeline_stages(num_stages, block_m, block_k, block_n, len(weights), rows.dtype)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -222,7 +252,8 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     k_blocks = contract // block_k // split_k
     if num_rows <= rowwise_max_rows:
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
-                                 params=params, one_launch=rows_one_launch, interpret=interpret)
+                                 params=params, one_launch=rows_one_launch, interpret=interpret,
+                                 extra_weights=extra_weights)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
@@ -242,22 +273,26 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     return tuple(out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype) for out in outs)
 
 
-def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret):
+def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
+                      extra_weights=()):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
     rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (slower alone,
-    see `grouped_matmul`)."""
+    see `grouped_matmul`). extra_weights: () or one [X, K, N] array per weight array, for rows of groups E...E+X-1."""
     num_rows, contract = rows.shape
-    out_dim = weights[0].shape[2]
+    num_groups, _, out_dim = weights[0].shape
     partial_dtype = rows.dtype if split_k == 1 else jnp.float32
     per_launch = len(weights) if one_launch else 1
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
-                          split_k=split_k),
+                          split_k=split_k, num_weights=per_launch, num_groups=num_groups),
         out_shape=(jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),) * per_launch,
         grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
     groups = row_groups.astype(jnp.int32)
-    return call(groups, rows, *weights) if one_launch else tuple(out for w in weights for out in call(groups, rows, w))
+    if one_launch:
+        return call(groups, rows, *weights, *extra_weights)
+    extras = [(x,) for x in extra_weights] or [()] * len(weights)
+    return tuple(out for w, x in zip(weights, extras) for out in call(groups, rows, w, *x))
 
 
 def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int = 128, block_n: int = 64,
