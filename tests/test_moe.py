@@ -163,3 +163,33 @@ def test_dispatch_flops_grow_with_top_k_not_with_expert_count():
     assert flops[(256, 2)] <= 2.0 * flops[(8, 2)], flops
     assert 1.6 <= flops[(8, 4)] / flops[(8, 2)] <= 2.4, flops  # the work is proportional to top-k
 
+
+
+@pytest.mark.parametrize("num_tokens,merged", [(3, True), (4, False)])
+def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeypatch):
+    """moe_shared_in_routed: where the Pallas rows grid takes all N*(k+1) rows (3 tokens x (top-4 + 1) = 15 <= 16),
+    the shared expert runs as one more row per token in the routed launches (both carry extra weights) and the MoE's
+    output is unchanged; 4 tokens (20 rows) keep the separate shared MLP. Same params either way."""
+    from MaxText.kernels import grouped_matmul as gmm
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
+                   topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
+                   kda_layers=[1], mla_layers=[])
+    plain = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, options)
+    rows_config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": True})
+    monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
+    interpreted, extras = functools.partial(pallas_gmm.grouped_matmul, interpret=True), []
+
+    def recorded(*args, **kwargs):  # which launches carry extra weights
+        extras.append(kwargs.get("extra_weights") is not None)
+        return interpreted(*args, **kwargs)
+    monkeypatch.setattr(pallas_gmm, "grouped_matmul", recorded)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(1, num_tokens, 32)), jnp.float32)
+    params = MoE(plain).init(jax.random.PRNGKey(0), x)
+    with jax.default_matmul_precision("highest"):
+        want = MoE(plain).apply(params, x)
+        extras.clear()
+        got = MoE(rows_config).apply(params, x)
+    assert gmm.extra_groups_supported("pallas", jnp.float32, 32, 16, num_tokens * 5) == merged
+    assert extras == [merged, merged]  # the routed experts' two launches (gate + up, down)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -14,6 +14,9 @@ Dispatch is dropless and sorted: the N*k (token, expert) pairs are sorted by exp
 matmuls over the sorted rows (each row meets only its own expert's weights; `moe_grouped_matmul` picks the
 implementation: MaxText/kernels/grouped_matmul), and the rows are unsorted, weighted and summed. Where the
 implementation multiplies rows in any order (gather; Pallas at decode sizes), the pairs stay in token order: no sort.
+With `moe_shared_in_routed` and the Pallas `rows` grid (N*(k+1) <= 16 rows: decode at batch 1), the shared expert
+(shared_experts 1: the routed experts' shape) is one more row per token in the routed experts' launches, with weight
+1 in the sum: no kernels of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from MaxText.kernels.grouped_matmul import grouped_matmul, rows_must_be_sorted
+from MaxText.kernels.grouped_matmul import extra_groups_supported, grouped_matmul, rows_must_be_sorted
 from MaxText.kernels.moe_router import route_tokens
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
 
@@ -51,8 +54,10 @@ class RoutedExperts(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array) -> jax.Array:
-        """x: [N, D]; weights, expert_ids: [N, k] -> sum_k weights * expert(x), [N, D] in config.dtype."""
+    def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, shared_kernels=None) -> jax.Array:
+        """x: [N, D]; weights, expert_ids: [N, k] -> sum_k weights * expert(x), [N, D] in config.dtype.
+        shared_kernels: a shared expert's (gate [D, I], up [D, I], down [I, D]), added to the sum as one more row per
+        token (weight 1) in the same launches: only where `shared_rows_fit`."""
         cfg = self.config
         num_experts, dim, inner = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
         dtype, precision = jnp.dtype(cfg.dtype), matmul_precision(cfg)
@@ -77,21 +82,37 @@ class RoutedExperts(nn.Module):
         else:  # in token order: each row meets its own expert's weights whatever the order
             row_experts = pair_experts
             rows = jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N*k, D]
+        extra = None
+        if shared_kernels is not None:  # the shared expert: group E, rows N*k ... N*k + N - 1 (one per token)
+            rows = jnp.concatenate([rows, x.astype(dtype)])  # [N*(k+1), D]
+            row_experts = jnp.concatenate([row_experts, jnp.full((num_tokens,), num_experts, row_experts.dtype)])
+            extra = tuple(kernel[None] for kernel in shared_kernels)  # [1, D, I], [1, D, I], [1, I, D]
 
-        def matmul(lhs, w):
+        def matmul(lhs, w, extra_weights):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
-                                  precision=precision)
+                                  precision=precision, extra_weights=extra_weights)
 
-        gate, up = matmul(rows, (w_gate, w_up))  # [N*k, I] each (Pallas tiles: one kernel reads each row block once)
-        hidden = nn.silu(gate) * up  # [N*k, I]
-        out = matmul(hidden, w_down)  # [N*k, D]
+        gate, up = matmul(rows, (w_gate, w_up), extra[:2] if extra else None)  # [rows, I] each (Pallas tiles: one kernel)
+        hidden = nn.silu(gate) * up  # [rows, I]
+        out = matmul(hidden, w_down, extra[2] if extra else None)  # [rows, D]
         if sort:
             out = jnp.zeros_like(out).at[order].set(out)  # back to token order
 
-        # Weight and sum over each token's k experts.
-        out = out.reshape(num_tokens, top_k, dim)  # [N, k, D]
-        return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights,
-                          precision=jax.lax.Precision.HIGHEST).astype(dtype)
+        # Weight and sum over each token's k experts (and its shared-expert row).
+        routed = out[:num_tokens * top_k].reshape(num_tokens, top_k, dim)  # [N, k, D]
+        total = jnp.einsum("nkd,nk->nd", routed.astype(jnp.float32), weights, precision=jax.lax.Precision.HIGHEST)
+        if shared_kernels is not None:
+            total = total + out[num_tokens * top_k:].astype(jnp.float32)
+        return total.astype(dtype)
+
+
+def shared_rows_fit(config: ml_collections.FrozenConfigDict, num_tokens: int) -> bool:
+    """Whether the MoE runs its shared expert as rows of the routed experts' launches for `num_tokens` tokens:
+    `moe_shared_in_routed`, one shared expert (the routed experts' shape), and the Pallas `rows` grid for all
+    N*(k+1) rows."""
+    return (config.moe_shared_in_routed and config.shared_experts == 1
+            and extra_groups_supported(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim,
+                                       num_tokens * (config.num_experts_per_tok + 1)))
 
 
 class MoE(nn.Module):
@@ -107,7 +128,11 @@ class MoE(nn.Module):
         batch, seq_len, dim = x.shape
         tokens = x.reshape(batch * seq_len, dim)  # [N, D]
         weights, expert_ids = Router(cfg, name="gate")(tokens)
-        out = RoutedExperts(cfg, name="experts")(tokens, weights, expert_ids).reshape(batch, seq_len, dim)
-        if cfg.shared_experts:
-            out = out + MLP(cfg, cfg.moe_mlp_dim * cfg.shared_experts, name="shared_experts")(x)
+        shared = MLP(cfg, cfg.moe_mlp_dim * cfg.shared_experts, name="shared_experts") if cfg.shared_experts else None
+        experts = RoutedExperts(cfg, name="experts")
+        if shared is not None and shared_rows_fit(cfg, batch * seq_len):
+            return experts(tokens, weights, expert_ids, shared.kernels()).reshape(batch, seq_len, dim)
+        out = experts(tokens, weights, expert_ids).reshape(batch, seq_len, dim)
+        if shared is not None:
+            out = out + shared(x)
         return out
