@@ -248,8 +248,6 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         num_stages = tiles_pipeline_stages(num_stages, block_m, block_k, block_n, len(weights), rows.dtype)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
-    partial_dtype = rows.dtype if split_k == 1 else jnp.float32
-    k_blocks = contract // block_k // split_k
     if num_rows <= rowwise_max_rows:
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
                                  params=params, one_launch=rows_one_launch, interpret=interpret,
@@ -259,8 +257,9 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
         padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
-                                   k_blocks=k_blocks, precise=rows.dtype == jnp.float32, interpret=interpret)
-        out_shape = jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), partial_dtype)
+                                   k_blocks=contract // block_k // split_k, precise=rows.dtype == jnp.float32,
+                                   interpret=interpret)
+        out_shape = jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), _partial_dtype(rows.dtype, split_k))
         outs = pl.pallas_call(
             kernel,
             out_shape=(out_shape,) * len(weights),
@@ -273,6 +272,11 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     return tuple(out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype) for out in outs)
 
 
+def _partial_dtype(rows_dtype, split_k: int):
+    """The dtype of the K splits' partial products: float32 until summed, or the rows' when there is one split."""
+    return rows_dtype if split_k == 1 else jnp.float32
+
+
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
                       extra_weights=()):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
@@ -280,12 +284,12 @@ def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, p
     see `grouped_matmul`). extra_weights: () or one [X, K, N] array per weight array, for rows of groups E...E+X-1."""
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights[0].shape
-    partial_dtype = rows.dtype if split_k == 1 else jnp.float32
     per_launch = len(weights) if one_launch else 1
+    out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), _partial_dtype(rows.dtype, split_k))
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
                           split_k=split_k, num_weights=per_launch, num_groups=num_groups),
-        out_shape=(jax.ShapeDtypeStruct((split_k, num_rows, out_dim), partial_dtype),) * per_launch,
+        out_shape=(out_shape,) * per_launch,
         grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
     groups = row_groups.astype(jnp.int32)
