@@ -6,14 +6,15 @@ weights.
     x [N, D], kernel [D, E] (any float dtype; multiplied in float32), correction_bias [E]
         ->  weights [N, k] float32, ids [N, k] int32
 
-    logits = x W (float32); scores = sigmoid(logits); choice = scores + correction_bias (chooses only); top-k of choice (within the kept
-    groups); weights = the chosen scores, normalized (norm_topk_prob) and times routed_scaling_factor.
+    logits = x W (float32); scores = sigmoid(logits); choice = scores + correction_bias (chooses only); top-k of
+    choice (within the kept groups); weights = the chosen scores, normalized (norm_topk_prob) and times
+    routed_scaling_factor.
 
 Implementations:
   xla     `jnp.dot` at HIGHEST precision, then naive.route, the oracle: plain JAX, any backend, group-limited routing
           (on a GPU: the kernel's float32 copy, the product, and 4-6 small routing kernels per MoE layer).
   pallas  pallas_route.py: one Triton kernel for the routing, one program per token (NVIDIA GPU, no multi-device
-          mesh; n_groups = 1, E and k powers of two). For at most pallas_gmm.ROWWISE_MAX_ROWS tokens (decode) the
+          mesh; n_groups = 1, E and k powers of two). For at most ROWWISE_MAX_ROWS (16) tokens (decode) the
           product is one Pallas launch too (`pallas_gmm.vector_matrix_partials`: float32 products of the kernel as
           stored, one partial sum per block of D, which the routing kernel adds up): two kernels per MoE layer.
           H200, Kimi-Linear-48B batch-1 decode: 3.675 vs 3.831 ms per token with the routing kernel alone.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from MaxText.kernels.grouped_matmul import pallas_kernel_reason, pallas_or_fallback
+from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, pallas_kernel_reason, pallas_or_fallback
 from MaxText.kernels.moe_router.naive import route
 
 CHOICES = ("auto", "xla", "pallas")
@@ -58,7 +59,7 @@ def route_tokens(x: jax.Array, kernel: jax.Array, correction_bias: jax.Array, *,
         # pylint: disable=import-outside-toplevel
         from MaxText.kernels.grouped_matmul import pallas_gmm
         from MaxText.kernels.moe_router import pallas_route
-        if (num_tokens <= pallas_gmm.ROWWISE_MAX_ROWS
+        if (num_tokens <= ROWWISE_MAX_ROWS
                 and pallas_gmm.unsupported_reason(jnp.float32, dim, kernel.shape[-1]) is None):
             logits = pallas_gmm.vector_matrix_partials(x, kernel)  # [D / 128, N, E] partial sums
         else:
