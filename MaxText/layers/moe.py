@@ -92,7 +92,8 @@ class RoutedExperts(nn.Module):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
                                   precision=precision, extra_weights=extra_weights)
 
-        gate, up = matmul(rows, (w_gate, w_up), extra[:2] if extra else None)  # [rows, I] each (Pallas tiles: one kernel)
+        # [rows, I] each (Pallas tiles: one kernel)
+        gate, up = matmul(rows, (w_gate, w_up), extra[:2] if extra else None)
         hidden = nn.silu(gate) * up  # [rows, I]
         out = matmul(hidden, w_down, extra[2] if extra else None)  # [rows, D]
         if sort:
