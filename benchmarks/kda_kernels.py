@@ -8,7 +8,8 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
 Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v and warps,
-and `state_traffic_probe`: the decode kernel's state loads and stores alone, the tiling's ceiling):
+the two-pass form (`chunk`), and `state_traffic_probe`: the decode kernel's state loads and stores alone, the
+tiling's ceiling):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -327,9 +328,10 @@ def bench_decode(B, args, results, copy_bw):
         return jax.jit(run, donate_argnums=(0,))
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    if args.sweep:  # block_v, warps
-        variants = {f"pallas_bv{bv}_w{nw}": dict(block_v=bv, num_warps=nw)
-                    for bv, nw in ((64, 2), (64, 8), (128, 4), (128, 16), (32, 4))}
+    if args.sweep:  # block_v, warps; chunk: the two-pass form over pieces of that many key rows
+        variants = {f"pallas_bv{bv}_w{nw}" + (f"_chunk{c}" if c else ""): dict(block_v=bv, num_warps=nw, chunk=c)
+                    for bv, nw, c in ((64, 2, None), (64, 8, None), (128, 4, None), (128, 16, None), (32, 4, None),
+                                      (64, 4, 32), (64, 2, 16), (128, 8, 32))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)

@@ -183,7 +183,17 @@ def _decode_inputs(rng, batch, H, K, V, S):
                 state_pool=jnp.asarray(rng.standard_normal((S, H, K, V)), f32))
 
 
-def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows():
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(chunk, monkeypatch):
+    """chunk=8: the two-pass form over four pieces of the 32 key rows (its kernel traced, checked)."""
+    from MaxText.kernels.kda import pallas_decode
+    traced, two_pass = [], pallas_decode._two_pass_decode_kernel
+
+    def recorded(*refs, **kwargs):
+        traced.append(kwargs["chunk"])
+        return two_pass(*refs, **kwargs)
+    monkeypatch.setattr(pallas_decode, "_two_pass_decode_kernel", recorded)
+    pallas_decode.decode_step.clear_cache()  # trace again under the patch
     H, K, V, S = 2, 32, 32, 7
     rng = np.random.default_rng(3)
     slots = jnp.asarray([4, -1, 0, 6, -1], jnp.int32)
@@ -197,12 +207,16 @@ def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows():
         o_ref, ref_pool = packed_decode_kda_reference(**x, state_pool=ref_pool, slot_indices=slots, num_heads=H,
                                                       head_dim=K)
         o, our_pool = pallas_ops.packed_decode_kda(**x, state_pool=our_pool, slot_indices=slots, num_heads=H,
-                                                   head_dim=K, interpret=True, block_v=16)
+                                                   head_dim=K, interpret=True, block_v=16, chunk=chunk)
         assert_close(o, o_ref)
         assert np.all(np.asarray(o)[[1, 4]] == 0.0), "padding rows must output zeros"
     assert_close(our_pool, ref_pool)
     untouched = [1, 2, 3, 5]
     assert np.array_equal(np.asarray(our_pool)[untouched], pool0[untouched]), "padding rows touched the pool"
+    assert set(traced) == ({8} if chunk else set())
+    with pytest.raises(ValueError, match="chunk=12 must divide the key head dim K=32"):
+        pallas_ops.packed_decode_kda(**x, state_pool=our_pool, slot_indices=slots, num_heads=H, head_dim=K,
+                                     interpret=True, chunk=12)
 
 
 def test_packed_decode_reference_matches_naive_step():

@@ -5,7 +5,8 @@ l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of t
 `slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
 and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
-its output and skips the state store (its load reads row 0 and is discarded).
+its output and skips the state store (its load reads row 0 and is discarded). With `chunk`, the program reads
+its slice twice in pieces of `chunk` key rows (`_two_pass_decode_kernel`: fewer registers, more programs per SM).
 
 The per-token math (`token_factors`, `delta_rule_step`) is shared with the verify kernel (pallas_verify.py).
 The kernel is memory bound: per row and head it moves K*V*4 bytes in and out. It runs under
@@ -24,24 +25,35 @@ from jax.experimental.pallas import triton as pltriton
 from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
 
 
+def inverse_norm(x, l2norm_in_kernel):
+    """1 / |x| (eps-guarded) of a float32 vector when `l2norm_in_kernel`, else 1."""
+    return jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if l2norm_in_kernel else 1.0
+
+
+def gate_log_decay(g, alog_ref, dtb_ref, head, channels, *, head_k, gate_in_kernel):
+    """g [n] float32, the gate input of head `head`'s key channels `channels` (a pl.ds within K) -> their log-decay:
+    -exp(A_log[h]) * softplus(g + dt_bias[h, channels]) from `alog_ref` [H] / `dtb_ref` [H*K] when
+    `gate_in_kernel`, else g itself."""
+    if not gate_in_kernel:
+        return g
+    bias = dtb_ref[pl.ds(head * head_k + channels.start, channels.size)].astype(jnp.float32)
+    return -jnp.exp(alog_ref[head].astype(jnp.float32)) * thresholded_softplus(g + bias)
+
+
 def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate_in_kernel, l2norm_in_kernel,
                   beta_logit):
     """One token of one head, inside a kernel: returns float32 (q [K] l2-normed if asked and scaled, k [K],
     log-decay g [K], beta scalar).
 
-    q, k, g: [K] loaded values (g is the raw gate input when `gate_in_kernel`: g = -exp(A_log[h]) *
-    softplus(g + dt_bias[h]), read from `alog_ref` [H] / `dtb_ref` [H*K]); beta: a scalar, a logit when
-    `beta_logit` (then sigmoid(beta)).
+    q, k, g: [K] loaded values (g is the raw gate input when `gate_in_kernel`: `gate_log_decay`); beta: a scalar,
+    a logit when `beta_logit` (then sigmoid(beta)).
     """
     f32 = jnp.float32
     q, k, g, beta = q.astype(f32), k.astype(f32), g.astype(f32), beta.astype(f32)
-    if l2norm_in_kernel:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
+    q = q * inverse_norm(q, l2norm_in_kernel)
+    k = k * inverse_norm(k, l2norm_in_kernel)
     q = q * scale
-    if gate_in_kernel:
-        g = -jnp.exp(alog_ref[head].astype(f32)) * thresholded_softplus(
-            g + dtb_ref[pl.ds(head * head_k, head_k)].astype(f32))
+    g = gate_log_decay(g, alog_ref, dtb_ref, head, pl.ds(0, head_k), head_k=head_k, gate_in_kernel=gate_in_kernel)
     if beta_logit:
         beta = jax.nn.sigmoid(beta)
     return q, k, g, beta
@@ -76,12 +88,58 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
     pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
 
 
+def _two_pass_decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
+                            num_heads, head_k, head_v, block_v, chunk, scale, gate_in_kernel, l2norm_in_kernel,
+                            beta_logit):
+    """The same step over the [K, BV] slice in [chunk, BV] pieces, twice: pass 1 reads each piece and accumulates
+    predicted = (k exp(g))^T S; pass 2 reads it again (from L2: the program's slice was just read), updates it,
+    stores it and accumulates o = q^T S'. Registers hold one piece, not the slice: more programs per SM keep more
+    state traffic in flight, at the price of a second (cached) read."""
+    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    H, K, f32 = num_heads, head_k, jnp.float32
+    slot = slot_ref[row]
+    valid = slot >= 0
+    safe = jnp.where(valid, slot, 0)
+    cols = pl.ds(vblk * block_v, block_v)
+    q_scale = scale * inverse_norm(qkv_ref[row, pl.ds(head * K, K)].astype(f32), l2norm_in_kernel)
+    k_scale = inverse_norm(qkv_ref[row, pl.ds(H * K + head * K, K)].astype(f32), l2norm_in_kernel)
+    beta = b_ref[row, head].astype(f32)
+    beta = jax.nn.sigmoid(beta) if beta_logit else beta
+    v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(f32)  # [BV]
+
+    def piece(c):
+        """Piece c: (its decayed state [chunk, BV], q [chunk] scaled, k [chunk] scaled, its rows)."""
+        channels = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        g = gate_log_decay(a_ref[row, pl.ds(head * K + channels.start, chunk)].astype(f32), alog_ref, dtb_ref,
+                           head, channels, head_k=K, gate_in_kernel=gate_in_kernel)
+        q = qkv_ref[row, pl.ds(head * K + channels.start, chunk)].astype(f32) * q_scale
+        k = qkv_ref[row, pl.ds(H * K + head * K + channels.start, chunk)].astype(f32) * k_scale
+        return pool_ref[safe, head, channels, cols] * jnp.exp(g)[:, None], q, k, channels
+
+    def predict(c, acc):
+        state, _, k, _ = piece(c)
+        return acc + jnp.sum(state * k[:, None], axis=0)
+
+    delta = beta * (v - jax.lax.fori_loop(0, K // chunk, predict, jnp.zeros((block_v,), f32)))  # [BV]
+
+    def update(c, acc):
+        state, q, k, channels = piece(c)
+        state = state + k[:, None] * delta[None, :]
+        pltriton.store(pool_out_ref.at[safe, head, channels, cols], state, mask=jnp.broadcast_to(valid, state.shape))
+        return acc + jnp.sum(state * q[:, None], axis=0)
+
+    o = jax.lax.fori_loop(0, K // chunk, update, jnp.zeros((block_v,), f32))
+    o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+
+
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                out_dtype=None, interpret=False):
+                chunk=None, num_stages=1, out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
+    chunk: None, the slice in registers, read once; an int dividing K, `_two_pass_decode_kernel` over pieces of
+    that many key rows (num_stages: Triton's pipelining of its loops).
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
     batch = mixed_qkv.shape[0]
@@ -90,15 +148,21 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
-    kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
-                               gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+    options = dict(num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale, gate_in_kernel=gate_in_kernel,
+                   l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+    if chunk is None:
+        kernel = functools.partial(_decode_kernel, **options)
+    elif K % chunk:
+        raise ValueError(f"chunk={chunk} must divide the key head dim K={K}")
+    else:
+        kernel = functools.partial(_two_pass_decode_kernel, chunk=chunk, **options)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         grid=(batch, H, V // block_v),
         input_output_aliases={6: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_packed_decode",
     )(mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool)
@@ -106,5 +170,6 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "out_dtype", "interpret"))
+                                       "beta_logit", "block_v", "num_warps", "chunk", "num_stages", "out_dtype",
+                                       "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."
