@@ -269,21 +269,25 @@ def fla_decode_step(mixed, a, b, A_log, dt_bias, pool, slots):
     return pool_t, step
 
 
-def state_traffic_probe(pool, slots, *, block_v, num_warps, interpret=False):
+def state_traffic_probe(pool, slots, *, block_v, num_warps, columns_fastest=False, interpret=False):
     """The packed decode kernel's state traffic without its math: the same grid (row, head, block of block_v value
-    columns) and the same in-place slot addressing, each program loading its [K, block_v] fp32 slice of pool row
-    slots[b] and storing it back times 0.5. Its time is what the decode kernel's tiling allows (the gap to the copy
-    bandwidth is the tiling's, the rest the math's). Returns the pool (aliased: donate it for a true in-place run)."""
+    columns, in `pallas_decode.item_grid`'s order) and the same in-place slot addressing, each program loading its
+    [K, block_v] fp32 slice of pool row slots[b] and storing it back times 0.5. Its time is what the decode kernel's
+    tiling allows (the gap to the copy bandwidth is the tiling's, the rest the math's). Returns the pool (aliased:
+    donate it for a true in-place run)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
+    from MaxText.kernels.kda import pallas_decode
     _, heads, head_k, head_v = pool.shape
 
     def kernel(slot_ref, pool_ref, out_ref):
-        slot, head, cols = slot_ref[pl.program_id(0)], pl.program_id(1), pl.ds(pl.program_id(2) * block_v, block_v)
+        row, head, vblk = pallas_decode.item_ids(columns_fastest)
+        slot, cols = slot_ref[row], pl.ds(vblk * block_v, block_v)
         out_ref[slot, head, :, cols] = pool_ref[slot, head, :, cols] * 0.5  # [K, BV]
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-                          grid=(slots.shape[0], heads, head_v // block_v), input_output_aliases={1: 0},
+    grid = pallas_decode.item_grid(slots.shape[0], heads, head_v // block_v, columns_fastest)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), grid=grid,
+                          input_output_aliases={1: 0},
                           compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
                           interpret=interpret, name="state_traffic_probe")(slots, pool)
 
@@ -328,16 +332,20 @@ def bench_decode(B, args, results, copy_bw):
         return jax.jit(run, donate_argnums=(0,))
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    if args.sweep:  # block_v, warps; chunk: the two-pass form over pieces of that many key rows
-        variants = {f"pallas_bv{bv}_w{nw}" + (f"_chunk{c}" if c else ""): dict(block_v=bv, num_warps=nw, chunk=c)
-                    for bv, nw, c in ((64, 2, None), (64, 8, None), (128, 4, None), (128, 16, None), (32, 4, None),
-                                      (64, 4, 32), (64, 2, 16), (128, 8, 32))}
+    if args.sweep:  # block_v, warps; chunk: the two-pass form over pieces of that many key rows; cols: a head's
+        # value blocks launched side by side (columns_fastest)
+        variants = {f"pallas_bv{bv}_w{nw}" + (f"_chunk{c}" if c else "") + ("_cols" if cols else ""):
+                    dict(block_v=bv, num_warps=nw, chunk=c, columns_fastest=cols)
+                    for bv, nw, c, cols in ((64, 2, None, False), (64, 2, None, True), (64, 8, None, False),
+                                            (128, 4, None, False), (128, 16, None, False), (32, 4, None, False),
+                                            (64, 4, 32, False), (64, 2, 16, False), (128, 8, 32, False))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)
-        for bv, nw in ((64, 2),):
-            impls[f"probe_bv{bv}_w{nw}"] = lambda *x, bv=bv, nw=nw: (
-                jnp.zeros((B, H, V), jnp.float32), state_traffic_probe(x[5], x[6], block_v=bv, num_warps=nw))
+        for bv, nw, cols in ((64, 2, False), (64, 2, True)):
+            impls[f"probe_bv{bv}_w{nw}" + ("_cols" if cols else "")] = lambda *x, bv=bv, nw=nw, cols=cols: (
+                jnp.zeros((B, H, V), jnp.float32),
+                state_traffic_probe(x[5], x[6], block_v=bv, num_warps=nw, columns_fastest=cols))
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
         run = loop_fn(step)

@@ -183,9 +183,10 @@ def _decode_inputs(rng, batch, H, K, V, S):
                 state_pool=jnp.asarray(rng.standard_normal((S, H, K, V)), f32))
 
 
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(chunk, monkeypatch):
-    """chunk=8: the two-pass form over four pieces of the 32 key rows (its kernel traced, checked)."""
+@pytest.mark.parametrize("chunk,columns_fastest", [(None, False), (8, False), (None, True)])
+def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(chunk, columns_fastest, monkeypatch):
+    """chunk=8: the two-pass form over four pieces of the 32 key rows (its kernel traced, checked); columns_fastest:
+    the launch grid in the other order."""
     from MaxText.kernels.kda import pallas_decode
     traced, two_pass = [], pallas_decode._two_pass_decode_kernel
 
@@ -207,7 +208,8 @@ def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(chunk,
         o_ref, ref_pool = packed_decode_kda_reference(**x, state_pool=ref_pool, slot_indices=slots, num_heads=H,
                                                       head_dim=K)
         o, our_pool = pallas_ops.packed_decode_kda(**x, state_pool=our_pool, slot_indices=slots, num_heads=H,
-                                                   head_dim=K, interpret=True, block_v=16, chunk=chunk)
+                                                   head_dim=K, interpret=True, block_v=16, chunk=chunk,
+                                                   columns_fastest=columns_fastest)
         assert_close(o, o_ref)
         assert np.all(np.asarray(o)[[1, 4]] == 0.0), "padding rows must output zeros"
     assert_close(our_pool, ref_pool)

@@ -69,9 +69,23 @@ def delta_rule_step(state, q, k, v, g, beta):
     return state, jnp.sum(state * q[:, None], axis=0)
 
 
+def item_grid(batch: int, num_heads: int, value_blocks: int, columns_fastest: bool) -> tuple[int, int, int]:
+    """The launch grid of one program per (row, head, value block). Pallas' Triton lowering makes the first grid
+    axis CUDA's x, whose blocks are dispatched first: rows fastest by default; with `columns_fastest` a head's value
+    blocks run side by side (they cover its contiguous [K, V] state together)."""
+    return (value_blocks, num_heads, batch) if columns_fastest else (batch, num_heads, value_blocks)
+
+
+def item_ids(columns_fastest: bool):
+    """(row, head, value block) of this program under `item_grid`'s order."""
+    first, head, last = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    return (last, head, first) if columns_fastest else (first, head, last)
+
+
 def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit):
-    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit,
+                   columns_fastest):
+    row, head, vblk = item_ids(columns_fastest)
     H, K = num_heads, head_k
     slot = slot_ref[row]
     valid = slot >= 0
@@ -90,12 +104,12 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
 
 def _two_pass_decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
                             num_heads, head_k, head_v, block_v, chunk, scale, gate_in_kernel, l2norm_in_kernel,
-                            beta_logit):
+                            beta_logit, columns_fastest):
     """The same step over the [K, BV] slice in [chunk, BV] pieces, twice: pass 1 reads each piece and accumulates
     predicted = (k exp(g))^T S; pass 2 reads it again (from L2: the program's slice was just read), updates it,
     stores it and accumulates o = q^T S'. Registers hold one piece, not the slice: more programs per SM keep more
     state traffic in flight, at the price of a second (cached) read."""
-    row, head, vblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, head, vblk = item_ids(columns_fastest)
     H, K, f32 = num_heads, head_k, jnp.float32
     slot = slot_ref[row]
     valid = slot >= 0
@@ -134,12 +148,12 @@ def _two_pass_decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                chunk=None, num_stages=1, out_dtype=None, interpret=False):
+                chunk=None, num_stages=1, columns_fastest=False, out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
     chunk: None, the slice in registers, read once; an int dividing K, `_two_pass_decode_kernel` over pieces of
-    that many key rows (num_stages: Triton's pipelining of its loops).
+    that many key rows (num_stages: Triton's pipelining of its loops). columns_fastest: `item_grid`'s order.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
     batch = mixed_qkv.shape[0]
@@ -149,7 +163,7 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
     options = dict(num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale, gate_in_kernel=gate_in_kernel,
-                   l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+                   l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit, columns_fastest=columns_fastest)
     if chunk is None:
         kernel = functools.partial(_decode_kernel, **options)
     elif K % chunk:
@@ -160,7 +174,7 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
-        grid=(batch, H, V // block_v),
+        grid=item_grid(batch, H, V // block_v, columns_fastest),
         input_output_aliases={6: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -170,6 +184,6 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "chunk", "num_stages", "out_dtype",
-                                       "interpret"))
+                                       "beta_logit", "block_v", "num_warps", "chunk", "num_stages", "columns_fastest",
+                                       "out_dtype", "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."
