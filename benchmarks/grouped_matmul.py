@@ -53,12 +53,15 @@ DENSE_SHAPES = (("kda q/k/v_proj", EMB, 4096), ("kda o_proj", 4096, EMB), ("shar
 XLA_MAX_ROWS = 512  # ragged_dot and gather are timed up to this many rows
 ORACLE_CHUNK = 256  # rows per gather of the oracle
 # --sweep: the `rows` grid (rowwise_max_rows=64; timed up to 64 rows) and the `tiles` grid (0) over tile options
-# (block_k is at most 128: pallas_gmm.BLOCK_CHOICES).
+# (block_k is at most 128: pallas_gmm.BLOCK_CHOICES), then the `rows` grid with rows_mma (each row a 16-row
+# tensor-core tile, the weight loads pipelined by Triton: cp.async stages in the offline SASS).
 SPLITS = (1, 2, 3, 4, 6)  # K splits; those that do not divide a shape's K blocks are skipped
 SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128) for bk in (64, 128)
          for sk in SPLITS] + [dict(rowwise_max_rows=0, block_n=bn, block_k=bk, split_k=sk) for bn in (32, 64, 128)
                               for bk in (64, 128) for sk in SPLITS] + [
-    dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)]
+    dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)] + [
+    dict(rowwise_max_rows=64, rows_mma=True, block_n=bn, block_k=128, split_k=sk, num_stages=st)
+    for bn in (32, 64, 128) for sk in (1, 2, 3, 6) for st in (3, 4)]  # the rows grid on the tensor cores
 # --sweep, dense projections: pallas_gmm.dense_matmul's tile options, then its `rows` grid.
 DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128) for bn in (32, 64, 128)
                for mp in (128, 256, 512)] + [dict(grid="rows", block_k=bk, block_n=bn, min_programs=mp)

@@ -59,6 +59,25 @@ def test_pallas_interpret_matches_gather_fp32(name, rowwise_max_rows, split_k):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_rows_grid_on_tensor_cores_matches_gather(dtype, tol):
+    """rows_mma: each row padded to a 16-row tile and multiplied on the tensor cores (3-pass tf32 for fp32), with
+    extra weights and K split too."""
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES["decode, one row per expert"], 64, 48, dtype)
+    extra = jnp.asarray(np.random.default_rng(9).normal(size=(1, 64, 48)) / 8, dtype)
+    row_groups = row_groups.at[3].set(len(sizes))  # one row of the extra group
+    want = gather_matmul(rows.astype(jnp.float32), jnp.concatenate([weights, extra]).astype(jnp.float32), row_groups,
+                         precision=jax.lax.Precision.HIGHEST)
+    call = functools.partial(pallas_gmm.grouped_matmul, weights=weights, group_sizes=sizes, row_groups=row_groups,
+                             extra_weights=extra, block_k=32, split_k=2, interpret=True)
+    got = call(rows, rows_mma=True)
+    assert got.dtype == dtype
+    for mma in (False, True):  # the kernel multiplies on the tensor cores only with rows_mma
+        assert ("dot_general" in str(jax.make_jaxpr(functools.partial(call, rows_mma=mma))(rows))) == mma
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= tol
+
+
 def test_pallas_interpret_matches_gather_bf16_prefill_tiles():
     sizes = GROUP_SIZES["uneven, empty groups, groups over block_m"] * 12  # 1200 rows: block_m 64
     rows, weights, sizes, row_groups = _problem(sizes, 128, 64, jnp.bfloat16, seed=1)

@@ -40,6 +40,7 @@ BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides
 # The `rows` grid up to ROWWISE_MAX_ROWS rows (16, set in the package __init__), the `tiles` grid above. H200, 48B
 # expert shapes, routing within 48 experts: 16 rows 24 / 26 us (rows) vs 33 / 29 (tiles); 32 rows 49 / 51 vs 42 / 42;
 # 64 rows 66 / 76 vs 57 / 55.
+MMA_ROWS = 16  # the tensor cores' least tile height (`rows_mma` pads each row to it)
 SHARED_MEMORY_BYTES = 232448  # per thread block on an H200 (227 KiB): bounds the `tiles` grid's pipeline stages
 
 
@@ -118,10 +119,13 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, split_k, num_weights, num_groups):
+def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, split_k, num_weights, num_groups, mma,
+                    interpret):
     """refs: the weight refs, then (with extra weights) one extra weight ref per weight, then one output ref per
     weight. Grid axis 2 enumerates (weight, K split): each program multiplies one row by one weight array's
-    [K / split_k, block_n] block; a row of group g >= num_groups uses the extra weights' matrix g - num_groups."""
+    [K / split_k, block_n] block; a row of group g >= num_groups uses the extra weights' matrix g - num_groups.
+    mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0 (zeros elsewhere), so that
+    Triton pipelines the weight loads as it does for products; else float32 FMAs and a reduction over K."""
     w_refs, out_refs = refs[:num_weights], refs[len(refs) - num_weights:]
     extra_refs = refs[num_weights:len(refs) - num_weights]  # () or one per weight
     row, col_block, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -130,12 +134,26 @@ def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, spl
     cols = pl.ds(col_block * block_n, block_n)
 
     def product(w_ref, matrix, out_ref):
-        def body(kb, acc):
-            ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
+        def k_block(kb):
+            return pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
+
+        def fma_body(kb, acc):
+            ks = k_block(kb)
             x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
             return acc + jnp.sum(x[:, None] * w_ref[matrix, ks, cols].astype(jnp.float32), axis=0)  # [BN]
 
-        acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((block_n,), jnp.float32))
+        def mma_body(kb, acc):
+            ks = k_block(kb)
+            x = rows_ref[row, ks]  # [BK]
+            tile = jnp.where(first_row, x[None, :], jnp.zeros((), x.dtype))  # [16, BK]: the row, then zeros
+            return acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
+
+        if mma:
+            first_row = jnp.arange(MMA_ROWS)[:, None] == 0
+            precise = rows_ref.dtype == jnp.float32
+            acc = jnp.sum(lax.fori_loop(0, k_blocks, mma_body, jnp.zeros((MMA_ROWS, block_n), jnp.float32)), axis=0)
+        else:
+            acc = lax.fori_loop(0, k_blocks, fma_body, jnp.zeros((block_n,), jnp.float32))
         out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
     def weight_product(which):
@@ -156,8 +174,8 @@ def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, spl
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, extra_weights=None,
-                   interpret: bool = False):
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, rows_mma: bool = False,
+                   extra_weights=None, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -175,6 +193,9 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     split_k > 1 cuts K into that many equal parts, each its own program (more programs for few rows), writing
     float32 partial products that are then summed.
 
+    rows_mma: the `rows` grid multiplies on the tensor cores (each row padded to a 16-row tile; Triton then pipelines
+    the weight loads, `num_stages`) instead of in float32 FMAs (an option for benchmarks/grouped_matmul.py --sweep,
+    not yet timed).
     extra_weights: on the `rows` grid (M <= rowwise_max_rows), one [X, K, N] array per weight array (a tuple when
     `weights` is one): a row of group E + x (row_groups up to E + X - 1) is multiplied by extra matrix x, e.g. an
     MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
@@ -184,7 +205,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     kernel's forward and the previous default's gradients."""
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
-               ("rows_one_launch", rows_one_launch), ("interpret", interpret))
+               ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("interpret", interpret))
     weights, several = as_tuple(weights)
     if extra_weights is None:
         outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
@@ -213,7 +234,7 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
-            rowwise_max_rows, rows_one_launch, interpret, extra_weights=()):
+            rowwise_max_rows, rows_one_launch, rows_mma, interpret, extra_weights=()):
     """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
     only) -> a tuple of [M, N] products."""
     num_rows, contract = rows.shape
@@ -250,7 +271,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
     if num_rows <= rowwise_max_rows:
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
-                                 params=params, one_launch=rows_one_launch, interpret=interpret,
+                                 params=params, one_launch=rows_one_launch, mma=rows_mma, interpret=interpret,
                                  extra_weights=extra_weights)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
@@ -278,7 +299,7 @@ def _partial_dtype(rows_dtype, split_k: int):
 
 
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
-                      extra_weights=()):
+                      mma=False, extra_weights=()):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
     rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (slower alone,
     see `grouped_matmul`). extra_weights: () or one [X, K, N] array per weight array, for rows of groups E...E+X-1."""
@@ -288,7 +309,8 @@ def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, p
     out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), _partial_dtype(rows.dtype, split_k))
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
-                          split_k=split_k, num_weights=per_launch, num_groups=num_groups),
+                          split_k=split_k, num_weights=per_launch, num_groups=num_groups, mma=mma,
+                          interpret=interpret),
         out_shape=(out_shape,) * per_launch,
         grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
