@@ -735,15 +735,20 @@ def report(results: dict) -> str:
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
                      f"back-to-back steps)\n")
         lines.append("| batch | moe | dense | TPOT ms | tokens/s | roofline ms | TPOT / roofline | host dispatch ms | "
-                     "synced step ms | distinct experts / layer (uniform) | GB / step | compile s |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                     "synced step ms | distinct experts / layer (uniform) | GB / step | compile s | warm-up tokens |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        first_crc = {}  # batch -> the first setting's warm-up tokens crc32
         for r in results["decode"]:
             roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
+            crc = r.get("warmup_tokens_crc32")
+            same = "first" if r["batch"] not in first_crc else (
+                "same" if crc == first_crc[r["batch"]] else "DIFFER")  # vs the batch's first setting
+            first_crc.setdefault(r["batch"], crc)
             lines.append(f"| {r['batch']} | {setting_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
                          f"{r['tokens_per_s']:.1f} | {roof} | {r.get('dispatch_ms', 0):.3f} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
                          f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
-                         f"{r['compile_s']:.1f} |")
+                         f"{r['compile_s']:.1f} | {crc} ({same}) |")
         lines.append("\nBytes per decode step (GB): the roofline's terms (decode_bytes_per_step)\n")
         lines.append("| batch | moe | other weights | routed experts | KDA state + conv | MLA latent cache | total |")
         lines.append("|---|---|---|---|---|---|---|")

@@ -139,6 +139,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         by_batch.setdefault(row["batch"], set()).add(row["warmup_tokens_crc32"])
     assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
+    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (same) |") == 2  # per batch, vs its first
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
                        "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
