@@ -82,15 +82,20 @@ def item_ids(columns_fastest: bool):
     return (last, head, first) if columns_fastest else (first, head, last)
 
 
+def _this_item(slot_ref, *, block_v, columns_fastest):
+    """This program's (row, head, value block, whether the row is real (slot >= 0), its pool row (0 for padding),
+    its value columns)."""
+    row, head, vblk = item_ids(columns_fastest)
+    slot = slot_ref[row]
+    valid = slot >= 0
+    return row, head, vblk, valid, jnp.where(valid, slot, 0), pl.ds(vblk * block_v, block_v)
+
+
 def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
                    num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit,
                    columns_fastest):
-    row, head, vblk = item_ids(columns_fastest)
+    row, head, vblk, valid, safe, cols = _this_item(slot_ref, block_v=block_v, columns_fastest=columns_fastest)
     H, K = num_heads, head_k
-    slot = slot_ref[row]
-    valid = slot >= 0
-    safe = jnp.where(valid, slot, 0)
-    cols = pl.ds(vblk * block_v, block_v)
     q, k, g, beta = token_factors(
         qkv_ref[row, pl.ds(head * K, K)], qkv_ref[row, pl.ds(H * K + head * K, K)],
         a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale,
@@ -109,12 +114,8 @@ def _two_pass_decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, 
     predicted = (k exp(g))^T S; pass 2 reads it again (from L2: the program's slice was just read), updates it,
     stores it and accumulates o = q^T S'. Registers hold one piece, not the slice: more programs per SM keep more
     state traffic in flight, at the price of a second (cached) read."""
-    row, head, vblk = item_ids(columns_fastest)
+    row, head, vblk, valid, safe, cols = _this_item(slot_ref, block_v=block_v, columns_fastest=columns_fastest)
     H, K, f32 = num_heads, head_k, jnp.float32
-    slot = slot_ref[row]
-    valid = slot >= 0
-    safe = jnp.where(valid, slot, 0)
-    cols = pl.ds(vblk * block_v, block_v)
     q_scale = scale * inverse_norm(qkv_ref[row, pl.ds(head * K, K)].astype(f32), l2norm_in_kernel)
     k_scale = inverse_norm(qkv_ref[row, pl.ds(H * K + head * K, K)].astype(f32), l2norm_in_kernel)
     beta = b_ref[row, head].astype(f32)
