@@ -133,6 +133,9 @@ def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, spl
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
+    first_row = jnp.arange(MMA_ROWS)[:, None] == 0  # rows_mma: the 16-row tile holds the row in row 0
+    precise = rows_ref.dtype == jnp.float32
+
     def product(w_ref, matrix, out_ref):
         def k_block(kb):
             return pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
@@ -149,8 +152,6 @@ def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, spl
             return acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
 
         if mma:
-            first_row = jnp.arange(MMA_ROWS)[:, None] == 0
-            precise = rows_ref.dtype == jnp.float32
             acc = jnp.sum(lax.fori_loop(0, k_blocks, mma_body, jnp.zeros((MMA_ROWS, block_n), jnp.float32)), axis=0)
         else:
             acc = lax.fori_loop(0, k_blocks, fma_body, jnp.zeros((block_n,), jnp.float32))
