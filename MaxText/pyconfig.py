@@ -19,6 +19,8 @@ from typing import Any
 import ml_collections
 import yaml
 
+from MaxText.inference.compile_options import GRAPH_SCHEDULING_CHOICES
+
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 BASE_CONFIG_PATH = os.path.join(CONFIGS_DIR, "base.yml")
 
@@ -33,6 +35,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
     "dense_matmul": ("auto", "xla", "pallas"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
+    "decode_graph_scheduling": GRAPH_SCHEDULING_CHOICES,
     "speculative": ("none", "ngram", "draft_model"),
     "verify_checkpoint_dtype": ("float32",),
     "jax_distributed_initialize": ("auto", "always", "never"),

@@ -82,6 +82,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
 from MaxText import pyconfig, random_init, sharding  # noqa: E402
+from MaxText.inference.compile_options import decode_compiler_options  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
 from MaxText.kernels import grouped_matmul  # noqa: E402
 from MaxText.layers.moe import Router  # noqa: E402
@@ -574,6 +575,22 @@ def variant_xla_options(variant: str) -> dict[str, str]:
     return {k: v for k, v in variant_overrides(variant).items() if k.startswith(XLA_OPTION_PREFIX)}
 
 
+def cache_checksum(cache) -> int:
+    """A checksum of every bit of `cache` (any change of a bit changes it): per leaf, on the device, the sum
+    modulo 2^32 of its elements' bits (as unsigned words) times odd position weights; then the crc32 of those sums.
+    Two settings that ran the same arithmetic from the same cache agree on it bit for bit."""
+    def leaf_sum(leaf):
+        if leaf.dtype == jnp.bool_:
+            words = leaf.astype(jnp.uint32)
+        else:
+            words = jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{leaf.dtype.itemsize * 8}")).astype(jnp.uint32)
+        words = words.ravel()
+        return jnp.sum(words * (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1), dtype=jnp.uint32)
+
+    sums = jax.jit(lambda leaves: jnp.stack([leaf_sum(leaf) for leaf in leaves]))(jax.tree.leaves(cache))
+    return zlib.crc32(np.asarray(sums).tobytes())
+
+
 def decode_setting(batch: int, moe: str, variant: str) -> str:
     """A decode setting's name in the log and the errors: 'B=8 moe=auto fused_projections=true'."""
     return f"B={batch} moe={moe}" + (f" {variant}" if variant else "")
@@ -598,7 +615,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens, counts),
         in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1), replicated),
         out_shardings=(cache_shardings, setup.rows(1), replicated), donate_argnums=(1, 2, 3),
-        xla_options=variant_xla_options(variant))
+        xla_options={**decode_compiler_options(config), **variant_xla_options(variant)})
     log(f"decode {setting}: compiled in {compile_s:.1f} s")
     in_place = outputs_in_place(step, first_input=len(jax.tree.leaves(setup.params)))
     if not in_place:
@@ -610,6 +627,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         cache, tokens, counts = step(setup.params, cache, tokens, counts)
         warmup_tokens.append(np.asarray(tokens))
     tokens_crc32 = zlib.crc32(np.stack(warmup_tokens).tobytes()) if warmup_tokens else None
+    cache_crc32 = cache_checksum(cache) if warmup_tokens else None  # every bit of the cache after those steps
     timed_from = np.asarray(counts)
     blocks, issued = [], []
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
@@ -637,7 +655,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
            "synced_step_ms": statistics.median(synced) * 1e3 if synced else None,
            "distinct_experts_per_layer": per_layer.tolist(),
            "distinct_experts_mean": float(per_layer.mean()) if per_layer.size else 0.0,
-           "distinct_experts_uniform": uniform, "warmup_tokens_crc32": tokens_crc32}
+           "distinct_experts_uniform": uniform, "warmup_tokens_crc32": tokens_crc32,
+           "warmup_cache_crc32": cache_crc32}
     row["bytes"] = decode_bytes_per_step(config, batch, args.prompt_len, per_layer if per_layer.size else 0.0)
     if copy_bw:
         bandwidth = copy_bw * setup.mesh.size
@@ -649,7 +668,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     log(f"decode {setting}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
         f"host dispatch {row['dispatch_ms']:.3f} ms per step; synced step {row['synced_step_ms'] or 0:.3f} ms; "
         f"distinct experts/layer {row['distinct_experts_mean']:.1f} "
-        f"(uniform {uniform:.1f}); warm-up tokens crc32 {tokens_crc32}{memory_note()}")
+        f"(uniform {uniform:.1f}); warm-up tokens crc32 {tokens_crc32}, cache crc32 {cache_crc32}{memory_note()}")
     if row["distinct_experts_mean"] < 0.8 * uniform:
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
             f"measured counts")
@@ -735,20 +754,21 @@ def report(results: dict) -> str:
         lines.append(f"\n### Decode, context {results['decode'][0]['context']} (TPOT: median over blocks of "
                      f"back-to-back steps)\n")
         lines.append("| batch | moe | dense | TPOT ms | tokens/s | roofline ms | TPOT / roofline | host dispatch ms | "
-                     "synced step ms | distinct experts / layer (uniform) | GB / step | compile s | warm-up tokens |")
+                     "synced step ms | distinct experts / layer (uniform) | GB / step | compile s | "
+                     "warm-up tokens / cache crc32 |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        first_crc = {}  # batch -> the first setting's warm-up tokens crc32
+        first_crc = {}  # batch -> the first setting's warm-up (tokens, cache) crc32s
         for r in results["decode"]:
             roof = (f"{r['roofline_ms']:.3f} | {r['tpot_over_roofline']:.2f}" if "roofline_ms" in r else "- | -")
-            crc = r.get("warmup_tokens_crc32")
-            same = "first" if r["batch"] not in first_crc else (
-                "same" if crc == first_crc[r["batch"]] else "DIFFER")  # vs the batch's first setting
-            first_crc.setdefault(r["batch"], crc)
+            crc = (r.get("warmup_tokens_crc32"), r.get("warmup_cache_crc32"))
+            first = first_crc.setdefault(r["batch"], crc)
+            same = "first" if first is crc else " / ".join(  # vs the batch's first setting
+                "same" if mine == theirs else "DIFFER" for mine, theirs in zip(crc, first))
             lines.append(f"| {r['batch']} | {setting_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
                          f"{r['tokens_per_s']:.1f} | {roof} | {r.get('dispatch_ms', 0):.3f} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
                          f"({r['distinct_experts_uniform']:.1f}) | {r['bytes']['total'] / 1e9:.2f} | "
-                         f"{r['compile_s']:.1f} | {crc} ({same}) |")
+                         f"{r['compile_s']:.1f} | {crc[0]} / {crc[1]} ({same}) |")
         lines.append("\nBytes per decode step (GB): the roofline's terms (decode_bytes_per_step)\n")
         lines.append("| batch | moe | other weights | routed experts | KDA state + conv | MLA latent cache | total |")
         lines.append("|---|---|---|---|---|---|---|")

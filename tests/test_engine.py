@@ -146,3 +146,19 @@ def test_from_checkpoint_loads_what_was_saved(tmp_path):
     np.testing.assert_array_equal(loaded.logits(tokens), eng.logits(tokens))
     with pytest.raises(ValueError, match="emb_dim: checkpoint 64, config 32"):
         Engine.from_checkpoint(str(tmp_path / "ckpt"), emb_dim=32)
+
+
+def test_decode_graph_scheduling_reaches_the_decode_compile_and_keeps_the_tokens(monkeypatch):
+    """`decode_graph_scheduling` becomes the decode program's XLA option (GPU CUDA-graph order; CPU ignores it)."""
+    prompt = _prompts(17, seed=1)
+    reference = engine().generate(prompt, NEW_TOKENS)
+    options, real_jit = [], jax.jit
+
+    def recording_jit(fn, **kwargs):
+        options.append(kwargs.get("compiler_options"))
+        return real_jit(fn, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    config = pyconfig.load_config(TINY, {**OVERRIDES, "decode_graph_scheduling": "serialize"})
+    assert Engine(config, engine().params).generate(prompt, NEW_TOKENS) == reference
+    assert {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"} in options

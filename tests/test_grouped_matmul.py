@@ -220,13 +220,26 @@ def test_tiles_pipeline_fits_shared_memory():
     assert pallas_gmm.tiles_pipeline_stages(3, 64, 128, 128, 4, jnp.float32) == 1
 
 
-def test_default_k_splits_for_few_rows():
-    """Up to 16 rows: 6 K splits where they divide K's blocks (the 48B gate/up: 18 blocks of 128, 15.7 vs 17.7 us
-    with 2 on an H200), else 2 (down: 8 blocks), else 1; more rows keep K whole."""
-    assert pallas_gmm.default_tiles(8, jnp.bfloat16, 18)["split_k"] == 6
-    assert pallas_gmm.default_tiles(8, jnp.bfloat16, 8)["split_k"] == 2
-    assert pallas_gmm.default_tiles(8, jnp.bfloat16, 9)["split_k"] == 1
-    assert pallas_gmm.default_tiles(64, jnp.bfloat16, 18)["split_k"] == 1
+def test_default_tiles_for_few_rows():
+    """Up to 16 bf16 rows: the tensor-core rows grid, K split in two from 16 blocks on with block_n 128 (the 48B
+    gate/up: 18 blocks of 128, 15.5 vs 23.1 us for the FMA grid on an H200), else K whole with block_n 64 (down: 8
+    blocks); float32 rows keep the FMA grid with 6 K splits where they divide K's blocks, else 2, else 1; more rows
+    keep K whole on the tiles grid."""
+    tiles = pallas_gmm.default_tiles
+    assert tiles(8, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 2, "rows_mma": True}
+    assert tiles(8, jnp.bfloat16, 8) == {"block_m": 16, "block_n": 64, "split_k": 1, "rows_mma": True}
+    assert tiles(16, jnp.bfloat16, 17)["split_k"] == 1
+    assert [tiles(8, jnp.float32, k)["split_k"] for k in (18, 8, 9)] == [6, 2, 1]
+    assert not tiles(8, jnp.float32, 18)["rows_mma"]
+    assert tiles(64, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 1, "rows_mma": False}
+
+
+def test_bf16_rows_grid_multiplies_on_the_tensor_cores_by_default():
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES["decode, one row per expert"], 256, 48, jnp.bfloat16)
+    jaxprs = {dtype: str(jax.make_jaxpr(functools.partial(
+        pallas_gmm.grouped_matmul, weights=weights.astype(dtype), group_sizes=sizes, row_groups=row_groups,
+        interpret=True))(rows.astype(dtype))) for dtype in (jnp.bfloat16, jnp.float32)}
+    assert "dot_general" in jaxprs[jnp.bfloat16] and "dot_general" not in jaxprs[jnp.float32]
 
 
 def test_pallas_gradients_of_several_weights_equal_the_gather_paths():

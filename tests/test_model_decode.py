@@ -93,7 +93,7 @@ def test_profile_helpers_name_ops_by_model_component():
 
 
 # A config override and an XLA option of the decode step's compile (accepted, and without effect, on CPU).
-VARIANT = "fused_projections=false,xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
+VARIANT = "fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0"
 
 
 def test_smoke_run_end_to_end_on_cpu(tmp_path):
@@ -122,7 +122,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         # Issuing a block of steps ends before waiting for it: the host's share of a step is at most its time.
         assert 0 < row["dispatch_ms"] <= row["tpot_ms"]
         assert row["outputs_in_place"]  # cache, tokens and expert counts all donated and aliased
-        assert isinstance(row["warmup_tokens_crc32"], int)
+        assert isinstance(row["warmup_tokens_crc32"], int) and isinstance(row["warmup_cache_crc32"], int)
         # The router's choices, counted inside the step: top-2 of 8 experts for each of 3 MoE layers.
         assert len(row["distinct_experts_per_layer"]) == 3
         assert all(2 <= d <= min(8, 2 * row["batch"]) for d in row["distinct_experts_per_layer"])
@@ -133,13 +133,14 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
     # A variant that changes no math (fused_projections; an XLA option of the step's compile) decodes the same
-    # greedy tokens.
+    # greedy tokens into a bit-identical cache; the batches' caches differ.
     by_batch = {}
     for row in results["decode"]:
-        by_batch.setdefault(row["batch"], set()).add(row["warmup_tokens_crc32"])
+        by_batch.setdefault(row["batch"], set()).add((row["warmup_tokens_crc32"], row["warmup_cache_crc32"]))
     assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
+    assert len({crc for crcs in by_batch.values() for _, crc in crcs}) == 2
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
-    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (same) |") == 2  # per batch, vs its first
+    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (same / same) |") == 2  # per batch, vs its first
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
                        "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
@@ -151,8 +152,9 @@ def test_decode_variants_parse_into_config_overrides():
         "fused_projections": "true", "dense_matmul": "xla"}
     with pytest.raises(ValueError, match="expected comma-separated key=value"):
         model_decode.variant_overrides("fused_projections")
-    assert model_decode.variant_config_overrides(VARIANT) == {"fused_projections": "false"}
-    assert model_decode.variant_xla_options(VARIANT) == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert model_decode.variant_config_overrides(VARIANT) == {"fused_projections": "false",
+                                                             "decode_graph_scheduling": "serialize"}
+    assert model_decode.variant_xla_options(VARIANT) == {"xla_gpu_autotune_level": "0"}
 
 
 def test_malformed_decode_variant_is_refused_before_any_stage(capsys):

@@ -175,7 +175,8 @@ def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeyp
     options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
                    topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
                    kda_layers=[1], mla_layers=[])
-    plain = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, options)
+    plain = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": False})
+    assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_shared_in_routed  # the default
     rows_config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": True})
     monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
     interpreted, extras = functools.partial(pallas_gmm.grouped_matmul, interpret=True), []

@@ -10,8 +10,10 @@ checks the kernels' semantics; the Triton compilation and the GPU numerics (bf16
 checked by benchmarks/kda_kernels.py and benchmarks/kda_verify.py on the GPU.
 """
 
+import functools
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,6 +221,18 @@ def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(chunk,
     with pytest.raises(ValueError, match="chunk=12 must divide the key head dim K=32"):
         pallas_ops.packed_decode_kda(**x, state_pool=our_pool, slot_indices=slots, num_heads=H, head_dim=K,
                                      interpret=True, chunk=12)
+
+
+@pytest.mark.parametrize("batch, grid", [(8, (8, 2, 4)), (32, (2, 2, 32))])
+def test_packed_decode_default_tile_by_batch(batch, grid):
+    """decode_tile: 32 value columns a program, rows fastest, below 32 rows; from 32 rows 64 columns launched with a
+    head's value blocks side by side (grid (value blocks, heads, rows))."""
+    H, K, V, S = 2, 32, 128, batch
+    x = _decode_inputs(np.random.default_rng(5), batch, H, K, V, S)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    jaxpr = str(jax.make_jaxpr(functools.partial(pallas_ops.packed_decode_kda, num_heads=H, head_dim=K,
+                                                 interpret=True))(**x, slot_indices=slots))
+    assert f"grid=({', '.join(map(str, grid))})" in jaxpr
 
 
 def test_packed_decode_reference_matches_naive_step():

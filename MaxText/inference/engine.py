@@ -26,6 +26,7 @@ import numpy as np
 
 from MaxText import sharding
 from MaxText.inference import speculative as spec
+from MaxText.inference.compile_options import decode_compiler_options
 from MaxText.inference.sampling import SamplingParams, check_sampling_params, sample
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache
 
@@ -106,7 +107,7 @@ class Engine:
         # The cache is donated into the decode loop (reused in place where the backend supports donation).
         self._decode = sharding.jit_in_mesh(
             self._decode_fn, self.mesh, config, static_argnames=("max_new_tokens", "sampling"),
-            donate_argnames=("cache",),
+            donate_argnames=("cache",), compiler_options=decode_compiler_options(config),
             in_shardings=(self.param_shardings, cache_shardings, rows(2), replicated, replicated),
             out_shardings=(rows(2), replicated, cache_shardings))
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.inference.compile_options import decode_compiler_options
 from MaxText.layers import kda
 from MaxText.layers.models import commit_verified_cache, rewind_cache
 from MaxText.pyconfig import MAX_DRAFT_TOKENS
@@ -168,7 +169,8 @@ class SpeculativeDecoder:
 
     def __init__(self, engine, drafter):
         self.engine, self.drafter = engine, drafter
-        self._run = jax.jit(self._run_fn, static_argnames=("max_new_tokens",), donate_argnames=("cache", "state"))
+        self._run = jax.jit(self._run_fn, static_argnames=("max_new_tokens",), donate_argnames=("cache", "state"),
+                            compiler_options=decode_compiler_options(engine.config))
 
     def generate(self, tokens, segment_ids, first_logits, cache, eos_id: int, max_new_tokens: int):
         """Decodes after a prefill: tokens / segment_ids [B, L] (left-padded prompts), first_logits [B, V] and cache

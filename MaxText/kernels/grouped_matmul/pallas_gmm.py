@@ -5,8 +5,9 @@ block of its rows, and empty groups cost nothing.
 
 Two grids, by M:
   rows    (M <= rowwise_max_rows, decode) one program per (row, block of `block_n` columns, K split): the row times
-          its own group's [K / split_k, block_n] columns as a vector-matrix product in float32 (no tile schedule, one
-          kernel; a group with several rows is read once per row).
+          its own group's [K / split_k, block_n] columns as a vector-matrix product (no tile schedule, one kernel; a
+          group with several rows is read once per row): bf16 rows on the tensor cores as a 16-row tile with zeros
+          below the row (`rows_mma`: Triton pipelines the weight loads), float32 rows in float32 FMAs.
   tiles   (above) a tile schedule (plain JAX, `tile_schedule`) cuts every group's rows into tiles of at most
           `block_m` rows; a tile never spans two groups. The grid is (tile, block of `block_n` columns, K split); a
           program loads its group's [block_k, block_n] weight blocks and a block of `block_m` rows from its first one
@@ -54,19 +55,25 @@ def unsupported_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | Non
     return None
 
 
-def default_tiles(num_rows: int, dtype, k_blocks: int) -> dict[str, int]:
-    """block_m (`tiles` only), block_n and split_k by row count and K's blocks. Measured on an H200 at
-    Kimi-Linear-48B's expert shapes (bf16): 8 rows (batch-1 decode) with block_n 64, gate/up (18 K blocks) 15.7 us
-    with 6 K splits, 16.5 with 3, 17.7 with 2; down (8 K blocks) 18.1 us with 2 (28 us with block_n 32 and one split);
-    64 rows 75 us with block_n 128 (rows or tiles grid; the old tiles default of 64 took 81-83 us); 512 rows 257 us
-    with tiles of block_n 128 (268-279 us with 64). float32 keeps block_n 64: three pipeline stages of fp32
-    [64, 128] row and [128, 128] weight blocks would exceed an H200's 227 KiB of shared memory. split_k is the
-    first of the preferred splits that divides K's blocks, else 1."""
+def default_tiles(num_rows: int, dtype, k_blocks: int) -> dict:
+    """block_m (`tiles` only), block_n, split_k and rows_mma (`rows` only) by row count and K's blocks. Measured on
+    an H200 at Kimi-Linear-48B's expert shapes (benchmarks/grouped_matmul.py --sweep, bf16, 8 rows: batch-1 decode):
+    on the tensor cores (`rows_mma`), gate/up (18 K blocks of 128) 15.5 us with block_n 128 and 2 K splits (FMA rows
+    grid 23.1 with block_n 64 and 6 splits, the previous default), down (8 K blocks) 20.6 us with block_n 64 and K
+    whole (FMA 25.3 with 2 splits): K splits in two from 16 blocks on (each program then reads at most ~9 blocks), and
+    block_n 128 where K is split, 64 where it is not. float32 rows keep the FMA grid (3-pass tf32 would triple the
+    products): block_n 64 and 6 K splits where they divide K's blocks, else 2, else 1.
+    64 rows 75 us with block_n 128 (rows or tiles grid); 512 rows 257 us with tiles of block_n 128 (268-279 us with
+    64). float32 keeps block_n 64: three pipeline stages of fp32 [64, 128] row and [128, 128] weight blocks would
+    exceed an H200's 227 KiB of shared memory."""
     block_n = 128 if jnp.dtype(dtype) == jnp.bfloat16 else 64
-    if num_rows <= 16:
+    if num_rows <= ROWWISE_MAX_ROWS and jnp.dtype(dtype) == jnp.bfloat16:
+        split_k = 2 if k_blocks >= 16 and k_blocks % 2 == 0 else 1
+        return {"block_m": 16, "block_n": 128 if split_k > 1 else 64, "split_k": split_k, "rows_mma": True}
+    if num_rows <= ROWWISE_MAX_ROWS:
         split_k = next((d for d in (6, 2) if k_blocks % d == 0), 1)
-        return {"block_m": 16, "block_n": 64, "split_k": split_k}
-    return {"block_m": 16 if num_rows <= 1024 else 64, "block_n": block_n, "split_k": 1}
+        return {"block_m": 16, "block_n": 64, "split_k": split_k, "rows_mma": False}
+    return {"block_m": 16 if num_rows <= 1024 else 64, "block_n": block_n, "split_k": 1, "rows_mma": False}
 
 
 def _block(dim: int, requested: int) -> int:
@@ -175,7 +182,7 @@ def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, spl
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, rows_mma: bool = False,
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, rows_mma: bool | None = None,
                    extra_weights=None, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
@@ -186,17 +193,16 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     rows_one_launch one kernel whose programs each multiply by one of the arrays (a launch grid axis over (array,
     K split); H200, 48B gate + up alone: 32.8 vs 30.3 us at 8 rows, 42.7 vs 46.9 at 16; not a default, to be timed
     in the whole model, where batch-1 decode is host bound and one launch fewer may pay).
-    The `rows` grid multiplies in float32; the `tiles` grid multiplies bf16 operands in one tensor-core pass (fp32
-    accumulation) and fp32 ones in 3-pass tf32 (about fp32).
-    block_m, block_n and split_k default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows, the
+    The `tiles` grid (and the `rows` grid with rows_mma) multiplies bf16 operands in one tensor-core pass (fp32
+    accumulation) and fp32 ones in 3-pass tf32 (about fp32); the `rows` grid without it in float32 FMAs.
+    block_m, block_n, split_k and rows_mma default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows, the
     tensor cores' least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages,
     fewer where they would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two).
     split_k > 1 cuts K into that many equal parts, each its own program (more programs for few rows), writing
     float32 partial products that are then summed.
 
     rows_mma: the `rows` grid multiplies on the tensor cores (each row padded to a 16-row tile; Triton then pipelines
-    the weight loads, `num_stages`) instead of in float32 FMAs (an option for benchmarks/grouped_matmul.py --sweep,
-    not yet timed).
+    the weight loads, `num_stages`) instead of in float32 FMAs; default `default_tiles` (bf16 rows: on).
     extra_weights: on the `rows` grid (M <= rowwise_max_rows), one [X, K, N] array per weight array (a tuple when
     `weights` is one): a row of group E + x (row_groups up to E + X - 1) is multiplied by extra matrix x, e.g. an
     MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
@@ -261,6 +267,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     block_m = block_m or defaults["block_m"]
     block_n = _block(out_dim, block_n or defaults["block_n"])
     split_k = defaults["split_k"] if split_k is None else split_k
+    rows_mma = defaults["rows_mma"] if rows_mma is None else rows_mma
     if split_k < 1 or (contract // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
                          f"{contract} makes")

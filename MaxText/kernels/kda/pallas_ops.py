@@ -178,17 +178,19 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
     return jnp.moveaxis(o, 0, 1).astype(q.dtype), (final_state if output_final_state else None)
 
 
-def decode_tile(batch: int) -> tuple[int, int]:
-    """(block_v, num_warps) of the packed decode kernel for `batch` rows, measured on an H200 (H = 32, K = V = 128,
-    benchmarks/RESULTS.md): narrow blocks for few rows (more programs); from 32 rows 64 columns at 2 warps
-    (B = 64 / 256: 82.0 / 314.8 us per step vs 83.4 / 318.3 at 128 columns and 4 warps, 82.9 / 316.1 at 64 and 4)."""
-    return (32, 4) if batch < 32 else (64, 2)
+def decode_tile(batch: int) -> tuple[int, int, bool]:
+    """(block_v, num_warps, columns_fastest) of the packed decode kernel for `batch` rows, measured on an H200 (H =
+    32, K = V = 128, benchmarks/RESULTS.md): narrow blocks for few rows (more programs); from 32 rows 64 columns at 2
+    warps (B = 64 / 256: 82.0 / 314.8 us per step vs 83.4 / 318.3 at 128 columns and 4 warps, 82.9 / 316.1 at 64 and
+    4), launched with a head's value blocks side by side (`columns_fastest`: 80.0 / 304.2 vs 82.5 / 314.4 us rows
+    first, one run)."""
+    return (32, 4, False) if batch < 32 else (64, 2, True)
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
                       scale: float | None = None, out_dtype=None, interpret: bool = False, block_v: int | None = None,
                       num_warps: int | None = None, chunk: int | None = None, num_stages: int = 1,
-                      columns_fastest: bool = False):
+                      columns_fastest: bool | None = None):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -196,19 +198,19 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
-    Reference semantics: `packed_decode.packed_decode_kda_reference`. block_v, num_warps: the kernel's tile
-    (default `decode_tile(B)`); chunk, num_stages: the two-pass form; columns_fastest: the launch order
-    (`pallas_decode.decode_call`; options for `benchmarks/kda_kernels.py --sweep`, not yet timed).
+    Reference semantics: `packed_decode.packed_decode_kda_reference`. block_v, num_warps, columns_fastest: the
+    kernel's tile and launch order (default `decode_tile(B)`); chunk, num_stages: the two-pass form (an option for
+    `benchmarks/kda_kernels.py --sweep`: slower where timed).
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    default_block_v, default_warps = decode_tile(mixed_qkv.shape[0])
+    default_block_v, default_warps, default_order = decode_tile(mixed_qkv.shape[0])
     block_v = min(block_v or default_block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
                                      num_warps=num_warps or default_warps, chunk=chunk, num_stages=num_stages,
-                                     columns_fastest=columns_fastest,
+                                     columns_fastest=default_order if columns_fastest is None else columns_fastest,
                                      out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), interpret=interpret)
 
 
