@@ -332,13 +332,11 @@ def bench_decode(B, args, results, copy_bw):
         return jax.jit(run, donate_argnums=(0,))
 
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    if args.sweep:  # block_v, warps; chunk: the two-pass form over pieces of that many key rows; cols: a head's
-        # value blocks launched side by side (columns_fastest)
-        variants = {f"pallas_bv{bv}_w{nw}" + (f"_chunk{c}" if c else "") + ("_cols" if cols else ""):
-                    dict(block_v=bv, num_warps=nw, chunk=c, columns_fastest=cols)
-                    for bv, nw, c, cols in ((64, 2, None, False), (64, 2, None, True), (64, 8, None, False),
-                                            (128, 4, None, False), (128, 16, None, False), (32, 4, None, False),
-                                            (64, 4, 32, False), (64, 2, 16, False), (128, 8, 32, False))}
+    if args.sweep:  # block_v, warps; cols: a head's value blocks launched side by side (columns_fastest)
+        variants = {f"pallas_bv{bv}_w{nw}" + ("_cols" if cols else ""): dict(block_v=bv, num_warps=nw,
+                                                                            columns_fastest=cols)
+                    for bv, nw, cols in ((64, 2, False), (64, 2, True), (64, 4, True), (128, 4, False),
+                                         (128, 4, True), (128, 8, True), (32, 4, True))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)

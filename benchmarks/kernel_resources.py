@@ -82,11 +82,10 @@ def kernel_variants():
     for block_v in (64, 32, 16):
         variants[f"recurrence bv{block_v} (one sequence)"] = (4, 3, lambda *a, bv=block_v: pc.recurrence(
             *a, out_dtype=jnp.bfloat16, block_v=bv, num_stages=3), one_seq)
-    for block_v, warps, chunk in ((128, 4, None), (128, 16, None), (64, 2, None), (64, 4, None), (64, 8, None),
-                                  (32, 4, None), (64, 4, 32), (64, 2, 16), (128, 8, 32)):  # chunk: the two-pass form
-        variants[f"packed decode bv{block_v} w{warps}" + (f" chunk{chunk}" if chunk else "")] = (
-            warps, 1, lambda *a, bv=block_v, w=warps, c=chunk: pallas_ops.packed_decode_kda(
-                *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w, chunk=c), decode)
+    for block_v, warps in ((128, 4), (128, 16), (64, 2), (64, 4), (64, 8), (32, 4)):
+        variants[f"packed decode bv{block_v} w{warps}"] = (
+            warps, 1, lambda *a, bv=block_v, w=warps: pallas_ops.packed_decode_kda(
+                *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w), decode)
     for tokens, parts in ((1, 18), (64, 1)):  # decode: 18 partial sums of the product (D = 2304)
         variants[f"moe route {tokens} tokens"] = (1, 1, lambda *a: pallas_route.route_logits(
             *a, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446), (S((parts, tokens, 256), f32),

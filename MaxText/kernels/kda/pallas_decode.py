@@ -5,8 +5,7 @@ l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of t
 `slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
 and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
-its output and skips the state store (its load reads row 0 and is discarded). With `chunk`, the program reads
-its slice twice in pieces of `chunk` key rows (`_two_pass_decode_kernel`: fewer registers, more programs per SM).
+its output and skips the state store (its load reads row 0 and is discarded).
 
 The per-token math (`token_factors`, `delta_rule_step`) is shared with the verify kernel (pallas_verify.py).
 The kernel is memory bound: per row and head it moves K*V*4 bytes in and out. It runs under
@@ -107,54 +106,13 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
     pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
 
 
-def _two_pass_decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                            num_heads, head_k, head_v, block_v, chunk, scale, gate_in_kernel, l2norm_in_kernel,
-                            beta_logit, columns_fastest):
-    """The same step over the [K, BV] slice in [chunk, BV] pieces, twice: pass 1 reads each piece and accumulates
-    predicted = (k exp(g))^T S; pass 2 reads it again (from L2: the program's slice was just read), updates it,
-    stores it and accumulates o = q^T S'. Registers hold one piece, not the slice: more programs per SM keep more
-    state traffic in flight, at the price of a second (cached) read."""
-    row, head, vblk, valid, safe, cols = _this_item(slot_ref, block_v=block_v, columns_fastest=columns_fastest)
-    H, K, f32 = num_heads, head_k, jnp.float32
-    q_scale = scale * inverse_norm(qkv_ref[row, pl.ds(head * K, K)].astype(f32), l2norm_in_kernel)
-    k_scale = inverse_norm(qkv_ref[row, pl.ds(H * K + head * K, K)].astype(f32), l2norm_in_kernel)
-    beta = b_ref[row, head].astype(f32)
-    beta = jax.nn.sigmoid(beta) if beta_logit else beta
-    v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(f32)  # [BV]
-
-    def piece(c):
-        """Piece c: (its decayed state [chunk, BV], q [chunk] scaled, k [chunk] scaled, its rows)."""
-        channels = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        g = gate_log_decay(a_ref[row, pl.ds(head * K + channels.start, chunk)].astype(f32), alog_ref, dtb_ref,
-                           head, channels, head_k=K, gate_in_kernel=gate_in_kernel)
-        q = qkv_ref[row, pl.ds(head * K + channels.start, chunk)].astype(f32) * q_scale
-        k = qkv_ref[row, pl.ds(H * K + head * K + channels.start, chunk)].astype(f32) * k_scale
-        return pool_ref[safe, head, channels, cols] * jnp.exp(g)[:, None], q, k, channels
-
-    def predict(c, acc):
-        state, _, k, _ = piece(c)
-        return acc + jnp.sum(state * k[:, None], axis=0)
-
-    delta = beta * (v - jax.lax.fori_loop(0, K // chunk, predict, jnp.zeros((block_v,), f32)))  # [BV]
-
-    def update(c, acc):
-        state, q, k, channels = piece(c)
-        state = state + k[:, None] * delta[None, :]
-        pltriton.store(pool_out_ref.at[safe, head, channels, cols], state, mask=jnp.broadcast_to(valid, state.shape))
-        return acc + jnp.sum(state * q[:, None], axis=0)
-
-    o = jax.lax.fori_loop(0, K // chunk, update, jnp.zeros((block_v,), f32))
-    o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-
-
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                chunk=None, num_stages=1, columns_fastest=False, out_dtype=None, interpret=False):
+                columns_fastest=False, out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
-    chunk: None, the slice in registers, read once; an int dividing K, `_two_pass_decode_kernel` over pieces of
-    that many key rows (num_stages: Triton's pipelining of its loops). columns_fastest: `item_grid`'s order.
+    columns_fastest: `item_grid`'s order.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
     batch = mixed_qkv.shape[0]
@@ -165,19 +123,14 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
     options = dict(num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale, gate_in_kernel=gate_in_kernel,
                    l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit, columns_fastest=columns_fastest)
-    if chunk is None:
-        kernel = functools.partial(_decode_kernel, **options)
-    elif K % chunk:
-        raise ValueError(f"chunk={chunk} must divide the key head dim K={K}")
-    else:
-        kernel = functools.partial(_two_pass_decode_kernel, chunk=chunk, **options)
+    kernel = functools.partial(_decode_kernel, **options)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         grid=item_grid(batch, H, V // block_v, columns_fastest),
         input_output_aliases={6: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_packed_decode",
     )(mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool)
@@ -185,6 +138,6 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
-                                       "beta_logit", "block_v", "num_warps", "chunk", "num_stages", "columns_fastest",
+                                       "beta_logit", "block_v", "num_warps", "columns_fastest",
                                        "out_dtype", "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."

@@ -189,8 +189,7 @@ def decode_tile(batch: int) -> tuple[int, int, bool]:
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
                       scale: float | None = None, out_dtype=None, interpret: bool = False, block_v: int | None = None,
-                      num_warps: int | None = None, chunk: int | None = None, num_stages: int = 1,
-                      columns_fastest: bool | None = None):
+                      num_warps: int | None = None, columns_fastest: bool | None = None):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -199,8 +198,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
     Reference semantics: `packed_decode.packed_decode_kda_reference`. block_v, num_warps, columns_fastest: the
-    kernel's tile and launch order (default `decode_tile(B)`); chunk, num_stages: the two-pass form (an option for
-    `benchmarks/kda_kernels.py --sweep`: slower where timed).
+    kernel's tile and launch order (default `decode_tile(B)`).
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
@@ -209,7 +207,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     block_v = min(block_v or default_block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
-                                     num_warps=num_warps or default_warps, chunk=chunk, num_stages=num_stages,
+                                     num_warps=num_warps or default_warps,
                                      columns_fastest=default_order if columns_fastest is None else columns_fastest,
                                      out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), interpret=interpret)
 
