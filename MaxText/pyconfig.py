@@ -35,6 +35,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
     "dense_matmul": ("auto", "xla", "pallas"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
+    "moe_rows_product": ("auto", "tensor_cores", "fma"),
     "decode_graph_scheduling": GRAPH_SCHEDULING_CHOICES,
     "speculative": ("none", "ngram", "draft_model"),
     "verify_checkpoint_dtype": ("float32",),

@@ -194,3 +194,23 @@ def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeyp
     assert gmm.extra_groups_supported("pallas", jnp.float32, 32, 16, num_tokens * 5) == merged
     assert extras == [merged, merged]  # the routed experts' two launches (gate + up, down)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("product, mma", [("auto", None), ("tensor_cores", True), ("fma", False)])
+def test_moe_rows_product_reaches_the_rows_grid(product, mma, monkeypatch):
+    """moe_rows_product picks how the Pallas rows grid multiplies (auto: the kernel's default by dtype)."""
+    from MaxText.kernels import grouped_matmul as gmm
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, dict(
+        emb_dim=32, moe_mlp_dim=16, num_experts=8, num_experts_per_tok=2, n_routing_groups=1, topk_routing_group=1,
+        moe_grouped_matmul="pallas", num_decoder_layers=1, kda_layers=[1], mla_layers=[], moe_rows_product=product))
+    monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
+    seen, kernel = [], pallas_gmm.grouped_matmul
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["rows_mma"])
+        return kernel(*args, interpret=True, **kwargs)
+    monkeypatch.setattr(pallas_gmm, "grouped_matmul", recorded)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(1, 2, 32)), jnp.float32)
+    MoE(config).apply(MoE(config).init(jax.random.PRNGKey(0), x), x)
+    assert seen and all(value is mma for value in seen), seen

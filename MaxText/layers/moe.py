@@ -90,7 +90,8 @@ class RoutedExperts(nn.Module):
 
         def matmul(lhs, w, extra_weights):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
-                                  precision=precision, extra_weights=extra_weights)
+                                  precision=precision, extra_weights=extra_weights,
+                                  rows_mma={"auto": None, "tensor_cores": True, "fma": False}[cfg.moe_rows_product])
 
         # [rows, I] each (Pallas tiles: one kernel)
         gate, up = matmul(rows, (w_gate, w_up), extra[:2] if extra else None)

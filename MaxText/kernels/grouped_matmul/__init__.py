@@ -109,12 +109,13 @@ def as_tuple(arrays) -> tuple[tuple, bool]:
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
-                   implementation: str = "auto", precision=None, extra_weights=None):
+                   implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1, on the
-    Pallas `rows` grid only (`extra_groups_supported`; pallas_gmm.grouped_matmul)."""
+    Pallas `rows` grid only (`extra_groups_supported`; pallas_gmm.grouped_matmul). rows_mma: whether the Pallas
+    `rows` grid multiplies on the tensor cores (None: its default, `pallas_gmm.default_tiles`)."""
     weights, several = as_tuple(weights)
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
@@ -123,7 +124,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                          f"moe_grouped_matmul={implementation!r} runs {chosen} for {rows.shape[0]} rows")
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        outs = pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups, extra_weights=extra_weights)
+        outs = pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups, extra_weights=extra_weights,
+                                         rows_mma=rows_mma)
     else:
         product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
                    if chosen == "ragged_dot" else
