@@ -180,11 +180,10 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 def decode_tile(batch: int) -> tuple[int, int, bool]:
     """(block_v, num_warps, columns_fastest) of the packed decode kernel for `batch` rows, measured on an H200 (H =
-    32, K = V = 128, benchmarks/RESULTS.md): narrow blocks for few rows (more programs); from 32 rows 64 columns at 2
-    warps (B = 64 / 256: 82.0 / 314.8 us per step vs 83.4 / 318.3 at 128 columns and 4 warps, 82.9 / 316.1 at 64 and
-    4), launched with a head's value blocks side by side (`columns_fastest`: 80.0 / 304.2 vs 82.5 / 314.4 us rows
-    first, one run)."""
-    return (32, 4, False) if batch < 32 else (64, 2, True)
+    32, K = V = 128, benchmarks/RESULTS.md): narrow blocks for few rows (more programs); from 32 rows 64 columns at 4
+    warps, launched with a head's value blocks side by side (`columns_fastest`; B = 64 / 128 / 256: 79.8 / 155.0 /
+    301.4 us per step vs 80.5 / 156.8 / 305.6 at 2 warps and 82.4 / 161.6 / 315.6 at 2 warps rows first, one run)."""
+    return (32, 4, False) if batch < 32 else (64, 4, True)
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
