@@ -3,9 +3,10 @@
 On a GPU, XLA runs a jitted program's kernels as CUDA graphs (command buffers). XLA's default records each graph's
 kernels in one serial chain; `concurrent` records them as a DAG of their buffer dependencies, so that independent
 kernels (a decode step has many: q / k / v and the gate projections, the router beside the shared expert) run side
-by side. Measured on an H200 (Kimi-Linear-48B, batch-1 decode, benchmarks/RESULTS.md): 3.08 instead of 3.53 ms per
-token, the same greedy tokens from the same compile (the schedule changes the order of independent kernels, not
-their arithmetic). The option is an XLA debug option: other backends accept and ignore it.
+by side. Measured on an H200 (Kimi-Linear-48B decode, one process, benchmarks/RESULTS.md): 3.03 instead of 3.54 ms
+per token at batch 1, 6.77 instead of 6.93 at batch 8, with the same greedy tokens and a bit-identical cache after
+16 steps (the schedule changes the order of independent kernels, not their arithmetic). The option is an XLA debug
+option: other backends accept and ignore it.
 """
 
 from __future__ import annotations
