@@ -196,10 +196,12 @@ def _validate(cfg: dict[str, Any]) -> None:
     per_group = cfg["num_experts"] // cfg["n_routing_groups"]
     if cfg["n_routing_groups"] > 1 and per_group < 2:
         raise ConfigError(f"group-limited routing scores each group by its top-2 experts, so every group needs >= 2 "
-                          f"experts; got num_experts={cfg['num_experts']} over n_routing_groups={cfg['n_routing_groups']}")
+                          f"experts; got num_experts={cfg['num_experts']} over "
+                          f"n_routing_groups={cfg['n_routing_groups']}")
     if cfg["num_experts_per_tok"] > cfg["topk_routing_group"] * per_group:
         raise ConfigError(f"num_experts_per_tok={cfg['num_experts_per_tok']} exceeds the experts in the "
-                          f"topk_routing_group={cfg['topk_routing_group']} kept groups ({cfg['topk_routing_group'] * per_group})")
+                          f"topk_routing_group={cfg['topk_routing_group']} kept groups "
+                          f"({cfg['topk_routing_group'] * per_group})")
     if not 0.0 < cfg["eval_fraction"] < 1.0:
         raise ConfigError(f"eval_fraction is {cfg['eval_fraction']}; it must be between 0 and 1 (exclusive)")
     for key in ("learning_rate", "adam_eps"):

@@ -140,7 +140,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
     assert len({crc for crcs in by_batch.values() for _, crc in crcs}) == 2
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
-    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (same / same) |") == 2  # per batch, vs its first
+    # per batch, each setting vs its first
+    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (same / same) |") == 2
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
                        "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
@@ -200,3 +201,14 @@ def test_decode_step_writes_each_output_in_place_of_its_own_input():
     with pytest.raises(Exception, match="No such compile option: 'xla_not_an_option'"):
         setup.compile(decode_step, (setup.params, cache, tokens, counts), xla_options={"xla_not_an_option": "1"},
                       out_shardings=(setup.cache_shardings(batch), setup.rows(1), replicated), **shardings)
+
+
+def test_cache_checksum_sees_every_bit_and_position():
+    cache = {"state": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "latent": jnp.ones((2, 5), jnp.bfloat16),
+             "index": jnp.array([7], jnp.int32), "mask": jnp.array([True, False])}
+    base = model_decode.cache_checksum(cache)
+    assert model_decode.cache_checksum(jax.tree.map(jnp.copy, cache)) == base
+    one_bit = jax.lax.bitcast_convert_type(jnp.uint16(0x3F81), jnp.bfloat16)  # 1.0 with its lowest mantissa bit set
+    assert model_decode.cache_checksum({**cache, "latent": cache["latent"].at[1, 3].set(one_bit)}) != base
+    assert model_decode.cache_checksum({**cache, "state": cache["state"][::-1]}) != base  # same values, moved
+    assert model_decode.cache_checksum({**cache, "mask": ~cache["mask"]}) != base

@@ -30,6 +30,9 @@ from MaxText.kernels.grouped_matmul import extra_groups_supported, grouped_matmu
 from MaxText.kernels.moe_router import route_tokens
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
 
+# `moe_rows_product` -> the Pallas rows grid's `rows_mma` (None: the kernel's default by dtype).
+ROWS_MMA = {"auto": None, "tensor_cores": True, "fma": False}
+
 
 class Router(nn.Module):
     """The `gate`: kernel [D, E] and e_score_correction_bias [E] (float32, used only for the choice)."""
@@ -91,7 +94,7 @@ class RoutedExperts(nn.Module):
         def matmul(lhs, w, extra_weights):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
                                   precision=precision, extra_weights=extra_weights,
-                                  rows_mma={"auto": None, "tensor_cores": True, "fma": False}[cfg.moe_rows_product])
+                                  rows_mma=ROWS_MMA[cfg.moe_rows_product])
 
         # [rows, I] each (Pallas tiles: one kernel)
         gate, up = matmul(rows, (w_gate, w_up), extra[:2] if extra else None)

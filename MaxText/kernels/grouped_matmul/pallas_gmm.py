@@ -182,8 +182,8 @@ def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, spl
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False, rows_mma: bool | None = None,
-                   extra_weights=None, interpret: bool = False):
+                   rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
+                   rows_mma: bool | None = None, extra_weights=None, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -195,8 +195,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     in the whole model, where batch-1 decode is host bound and one launch fewer may pay).
     The `tiles` grid (and the `rows` grid with rows_mma) multiplies bf16 operands in one tensor-core pass (fp32
     accumulation) and fp32 ones in 3-pass tf32 (about fp32); the `rows` grid without it in float32 FMAs.
-    block_m, block_n, split_k and rows_mma default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows, the
-    tensor cores' least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages,
+    block_m, block_n, split_k and rows_mma default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows,
+    the tensor cores' least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages,
     fewer where they would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two).
     split_k > 1 cuts K into that many equal parts, each its own program (more programs for few rows), writing
     float32 partial products that are then summed.
