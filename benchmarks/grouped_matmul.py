@@ -4,7 +4,7 @@ inputs, at Kimi-Linear-48B's expert shapes (256 experts, top-8, emb 2304, expert
     python benchmarks/grouped_matmul.py [--out DIR] [--tokens 1 8 64 512 4096] [--sweep]
 
 For each token count, tokens route to top-8 distinct experts uniformly at random (within --expert-pool experts per
-layer, default all 256); rows are sorted by expert. Each
+layer, default all 256; --rows-per-token 9 adds a ninth, as the shared expert's row); rows are sorted by expert. Each
 timed call runs the product for --layers independent layers (own weights, own routing) inside one jitted program, as
 a decode step does: no weight is read twice, so the experts in use do not stay in the 50 MB L2 cache between calls,
 and dispatch costs nothing per product. Reported time = median (kda_kernels.time_jax) / layers. Times the Pallas
@@ -74,14 +74,14 @@ def random_weights(seed: int, count: int, shape: tuple[int, ...]) -> list[jax.Ar
             for k in jax.random.split(jax.random.key(seed), count)]
 
 
-def routed_rows(rng, tokens: int, contract: int, layers: int, pool: int = EXPERTS):
-    """Per layer, sorted rows of `tokens` tokens x top-8 distinct experts drawn uniformly from a random `pool` of
-    the experts (all of them: uniform routing; fewer: the concentrated routing a trained router shows): lists of
-    rows [M, K] bf16, group_sizes [E], row groups [M]; and the distinct experts in use per layer (mean)."""
+def routed_rows(rng, tokens: int, contract: int, layers: int, pool: int = EXPERTS, per_token: int = TOP_K):
+    """Per layer, sorted rows of `tokens` tokens x `per_token` (top-8) distinct experts drawn uniformly from a random
+    `pool` of the experts (all of them: uniform routing; fewer: the concentrated routing a trained router shows):
+    lists of rows [M, K] bf16, group_sizes [E], row groups [M]; and the distinct experts in use per layer (mean)."""
     rows, sizes, groups, used = [], [], [], []
     for _ in range(layers):
         candidates = rng.choice(EXPERTS, pool, replace=False)
-        experts = np.stack([rng.choice(candidates, TOP_K, replace=False) for _ in range(tokens)]).reshape(-1)
+        experts = np.stack([rng.choice(candidates, per_token, replace=False) for _ in range(tokens)]).reshape(-1)
         row_groups = np.sort(experts).astype(np.int32)
         rows.append(jnp.asarray(rng.normal(size=(row_groups.size, contract)), jnp.bfloat16))
         counts = np.bincount(row_groups, minlength=EXPERTS).astype(np.int32)
@@ -192,7 +192,8 @@ def bench_gate_up_fusion(args, rng) -> list[dict]:
              "one launch": functools.partial(pallas_gmm.grouped_matmul, rows_one_launch=True)}
     out = []
     for tokens in args.tokens:
-        rows, sizes, groups, used = routed_rows(rng, tokens, EMB, args.layers, args.expert_pool)
+        rows, sizes, groups, used = routed_rows(rng, tokens, EMB, args.layers, args.expert_pool,
+                                                args.rows_per_token)
         wants = [jax.jit(oracle)(rows[0], w, groups[0]) for w in oracle_weights]
         row = {"tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used}
         row.update(time_impls(f"gate+up tokens={tokens} rows={row['rows']}", impls, (rows, gate_up, sizes, groups),
@@ -217,10 +218,15 @@ def main() -> int:
     parser.add_argument("--expert-pool", type=int, default=EXPERTS,
                         help="route each layer's tokens within this many random experts (default all: uniform; "
                              "e.g. 48 gives batch 8 the ~37 distinct experts the 48B model's routers chose)")
+    parser.add_argument("--rows-per-token", type=int, default=TOP_K,
+                        help=f"distinct experts (rows) per token (default {TOP_K}, the routed top-k; {TOP_K + 1}: "
+                             "the shared expert as one more row, as the 48B batch-1 decode step runs it with "
+                             "moe_shared_in_routed)")
     parser.add_argument("--profile", action="store_true", help="also list each program's top device kernels")
     args = parser.parse_args()
-    if not TOP_K <= args.expert_pool <= EXPERTS:
-        parser.error(f"--expert-pool must be in [{TOP_K}, {EXPERTS}], got {args.expert_pool}")
+    if not 1 <= args.rows_per_token <= args.expert_pool <= EXPERTS:
+        parser.error(f"expected 1 <= --rows-per-token <= --expert-pool <= {EXPERTS}, got {args.rows_per_token} and "
+                     f"{args.expert_pool}")
     rng = np.random.default_rng(0)
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv)}
@@ -230,7 +236,8 @@ def main() -> int:
         weights = random_weights(shape_index, args.layers, (EXPERTS, contract, out_dim))  # [E, K, N] per layer
         weights_f32 = weights[0].astype(jnp.float32)
         for tokens in args.tokens:
-            rows, sizes, groups, used = routed_rows(rng, tokens, contract, args.layers, args.expert_pool)
+            rows, sizes, groups, used = routed_rows(rng, tokens, contract, args.layers, args.expert_pool,
+                                                    args.rows_per_token)
             want = jax.jit(oracle)(rows[0], weights_f32, groups[0])
             if args.sweep:
                 impls = {json.dumps(opts): functools.partial(pallas_gmm.grouped_matmul, **opts) for opts in SWEEP

@@ -349,3 +349,14 @@ def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch
     got = fused.apply(params, x)
     assert calls == [2, 1]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("per_token", [8, 9])
+def test_benchmark_makes_rows_per_token_sorted_by_expert(per_token):
+    """benchmarks/grouped_matmul.py --rows-per-token: 9 rows per token stand for the 48B decode step's routed
+    experts plus the shared expert's row."""
+    from benchmarks import grouped_matmul as bench
+    rows, sizes, groups, _ = bench.routed_rows(np.random.default_rng(0), 3, 32, 2, per_token=per_token)
+    for layer_rows, layer_sizes, layer_groups in zip(rows, sizes, groups):
+        assert layer_rows.shape == (3 * per_token, 32) and int(layer_sizes.sum()) == 3 * per_token
+        assert np.all(np.diff(np.asarray(layer_groups)) >= 0)  # sorted by expert
