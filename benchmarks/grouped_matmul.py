@@ -48,8 +48,9 @@ from MaxText.kernels.grouped_matmul.naive import gather_matmul  # noqa: E402
 
 EXPERTS, TOP_K, EMB, WIDTH = 256, 8, 2304, 1024
 # The dense projections of a decode step (config `dense_matmul`): name, K, N.
-DENSE_SHAPES = (("kda q/k/v_proj", EMB, 4096), ("kda o_proj", 4096, EMB), ("shared gate/up", EMB, WIDTH),
-                ("shared down", WIDTH, EMB), ("lm_head", EMB, 163840))
+DENSE_SHAPES = (("kda q/k/v_proj", EMB, 4096), ("kda o_proj", 4096, EMB), ("kda f_b/g_b_proj", 128, 4096),
+                ("kda b_proj", EMB, 32), ("shared gate/up", EMB, WIDTH), ("shared down", WIDTH, EMB),
+                ("lm_head", EMB, 163840))
 XLA_MAX_ROWS = 512  # ragged_dot and gather are timed up to this many rows
 ORACLE_CHUNK = 256  # rows per gather of the oracle
 # --sweep: the `rows` grid (rowwise_max_rows=64; timed up to 64 rows) and the `tiles` grid (0) over tile options
@@ -62,9 +63,10 @@ SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in
     dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)] + [
     dict(rowwise_max_rows=64, rows_mma=True, block_n=bn, block_k=128, split_k=sk, num_stages=st)
     for bn in (32, 64, 128) for sk in (1, 2, 3, 6) for st in (3, 4)]  # the rows grid on the tensor cores
-# --sweep, dense projections: pallas_gmm.dense_matmul's tile options, then its `rows` grid.
+# --sweep, dense projections: pallas_gmm.dense_matmul's tile options (min_programs 1: K never split, no partial sums
+# to add), then its `rows` grid.
 DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128) for bn in (32, 64, 128)
-               for mp in (128, 256, 512)] + [dict(grid="rows", block_k=bk, block_n=bn, min_programs=mp)
+               for mp in (1, 128, 256, 512)] + [dict(grid="rows", block_k=bk, block_n=bn, min_programs=mp)
                                              for bk in (64, 128) for bn in (32, 64) for mp in (256, 512)]
 
 
