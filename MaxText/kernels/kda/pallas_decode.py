@@ -24,35 +24,24 @@ from jax.experimental.pallas import triton as pltriton
 from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
 
 
-def inverse_norm(x, l2norm_in_kernel):
-    """1 / |x| (eps-guarded) of a float32 vector when `l2norm_in_kernel`, else 1."""
-    return jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if l2norm_in_kernel else 1.0
-
-
-def gate_log_decay(g, alog_ref, dtb_ref, head, channels, *, head_k, gate_in_kernel):
-    """g [n] float32, the gate input of head `head`'s key channels `channels` (a pl.ds within K) -> their log-decay:
-    -exp(A_log[h]) * softplus(g + dt_bias[h, channels]) from `alog_ref` [H] / `dtb_ref` [H*K] when
-    `gate_in_kernel`, else g itself."""
-    if not gate_in_kernel:
-        return g
-    bias = dtb_ref[pl.ds(head * head_k + channels.start, channels.size)].astype(jnp.float32)
-    return -jnp.exp(alog_ref[head].astype(jnp.float32)) * thresholded_softplus(g + bias)
-
-
 def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate_in_kernel, l2norm_in_kernel,
                   beta_logit):
     """One token of one head, inside a kernel: returns float32 (q [K] l2-normed if asked and scaled, k [K],
     log-decay g [K], beta scalar).
 
-    q, k, g: [K] loaded values (g is the raw gate input when `gate_in_kernel`: `gate_log_decay`); beta: a scalar,
-    a logit when `beta_logit` (then sigmoid(beta)).
+    q, k, g: [K] loaded values (g is the raw gate input when `gate_in_kernel`: g = -exp(A_log[h]) *
+    softplus(g + dt_bias[h]), read from `alog_ref` [H] / `dtb_ref` [H*K]); beta: a scalar, a logit when
+    `beta_logit` (then sigmoid(beta)).
     """
     f32 = jnp.float32
     q, k, g, beta = q.astype(f32), k.astype(f32), g.astype(f32), beta.astype(f32)
-    q = q * inverse_norm(q, l2norm_in_kernel)
-    k = k * inverse_norm(k, l2norm_in_kernel)
+    if l2norm_in_kernel:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
     q = q * scale
-    g = gate_log_decay(g, alog_ref, dtb_ref, head, pl.ds(0, head_k), head_k=head_k, gate_in_kernel=gate_in_kernel)
+    if gate_in_kernel:
+        g = -jnp.exp(alog_ref[head].astype(f32)) * thresholded_softplus(
+            g + dtb_ref[pl.ds(head * head_k, head_k)].astype(f32))
     if beta_logit:
         beta = jax.nn.sigmoid(beta)
     return q, k, g, beta
@@ -60,7 +49,9 @@ def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate
 
 def delta_rule_step(state, q, k, v, g, beta):
     """One KDA step on a [K, BV] float32 state slice: q, k, g [K], v [BV] float32, beta scalar.
-    Returns (new state [K, BV], o [BV]), float32."""
+
+    Returns (new state [K, BV], o [BV]), float32.
+    """
     state = state * jnp.exp(g)[:, None]
     predicted = jnp.sum(state * k[:, None], axis=0)  # [BV]
     delta = beta * (v - predicted)
@@ -81,20 +72,15 @@ def item_ids(columns_fastest: bool):
     return (last, head, first) if columns_fastest else (first, head, last)
 
 
-def _this_item(slot_ref, *, block_v, columns_fastest):
-    """This program's (row, head, value block, whether the row is real (slot >= 0), its pool row (0 for padding),
-    its value columns)."""
-    row, head, vblk = item_ids(columns_fastest)
-    slot = slot_ref[row]
-    valid = slot >= 0
-    return row, head, vblk, valid, jnp.where(valid, slot, 0), pl.ds(vblk * block_v, block_v)
-
-
 def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
                    num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit,
                    columns_fastest):
-    row, head, vblk, valid, safe, cols = _this_item(slot_ref, block_v=block_v, columns_fastest=columns_fastest)
+    row, head, vblk = item_ids(columns_fastest)
     H, K = num_heads, head_k
+    slot = slot_ref[row]
+    valid = slot >= 0
+    safe = jnp.where(valid, slot, 0)  # a padding row reads pool row 0 and stores nothing
+    cols = pl.ds(vblk * block_v, block_v)
     q, k, g, beta = token_factors(
         qkv_ref[row, pl.ds(head * K, K)], qkv_ref[row, pl.ds(H * K + head * K, K)],
         a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale,
@@ -121,9 +107,9 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
-    options = dict(num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale, gate_in_kernel=gate_in_kernel,
-                   l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit, columns_fastest=columns_fastest)
-    kernel = functools.partial(_decode_kernel, **options)
+    kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
+                               gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit,
+                               columns_fastest=columns_fastest)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
