@@ -191,8 +191,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     the `rows` grid launches one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of
     4.4 ms per token), or with
     rows_one_launch one kernel whose programs each multiply by one of the arrays (a launch grid axis over (array,
-    K split); H200, 48B gate + up alone: 32.8 vs 30.3 us at 8 rows, 42.7 vs 46.9 at 16; not a default, to be timed
-    in the whole model, where batch-1 decode is host bound and one launch fewer may pay).
+    K split); H200, 48B gate + up alone, FMA rows grid: 32.8 vs 30.3 us at 8 rows, 42.7 vs 46.9 at 16; not a
+    default, not timed in the whole model, where concurrent CUDA graphs already run the two launches side by side).
     The `tiles` grid (and the `rows` grid with rows_mma) multiplies bf16 operands in one tensor-core pass (fp32
     accumulation) and fp32 ones in 3-pass tf32 (about fp32); the `rows` grid without it in float32 FMAs.
     block_m, block_n, split_k and rows_mma default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows,
