@@ -7,9 +7,9 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   ours pallas = pallas_ops.chunk_kda; ours xla = chunked.chunked_kda; fla = fla.ops.kda.chunk_kda;
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
-Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v and warps,
-the two-pass form (`chunk`), and `state_traffic_probe`: the decode kernel's state loads and stores alone, the
-tiling's ceiling):
+Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
+the launch order (`columns_fastest`), and `state_traffic_probe`: the decode kernel's state loads and stores alone,
+the tiling's ceiling):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;

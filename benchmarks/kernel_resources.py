@@ -93,9 +93,9 @@ def kernel_variants():
     variants["moe router product 1 token"] = (4, 1, pallas_gmm.vector_matrix_partials,
                                               (S((1, 2304), f32), S((2304, 256), bf)))
     experts = (S((9, 2304), bf), S((256, 2304, 1024), bf), S((256,), jnp.int32), S((9,), jnp.int32))
-    variants["moe experts gate 9 rows"] = (4, 3, pallas_gmm.grouped_matmul, experts)
-    variants["moe experts gate 9 rows, tensor cores"] = (4, 3, lambda *a: pallas_gmm.grouped_matmul(
-        *a, rows_mma=True), experts)
+    variants["moe experts gate 9 rows, FMAs"] = (4, 3, lambda *a: pallas_gmm.grouped_matmul(
+        *a, rows_mma=False), experts)
+    variants["moe experts gate 9 rows"] = (4, 3, pallas_gmm.grouped_matmul, experts)  # the default: tensor cores
     variants["moe experts gate 9 rows, shared expert row"] = (4, 3, lambda *a: pallas_gmm.grouped_matmul(
         *a[:4], extra_weights=a[4]), experts + (S((1, 2304, 1024), bf),))
     return variants
