@@ -21,13 +21,16 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            cache (chunked prefill bounds the MoE dispatch's temporaries); median wall time of --prefill-repeats runs
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
   decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
-           on the same params, e.g. fused_projections=true; keys 'xla_...' are XLA options of the step's compile,
-           e.g. xla_gpu_command_buffer_scheduling_mode=CONCURRENT): the prefilled prompt's cache repeated over B rows
+           on the same params, e.g. decode_graph_scheduling=serialize; keys 'xla_...' are XLA options of the step's
+           compile, e.g. xla_gpu_autotune_level=0): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
            Every output of the step is written in place of its own donated input (cache, tokens, the running
            expert counts): the buffers keep their addresses from step to step, so XLA can replay the step's CUDA
-           graphs without re-recording them.
+           graphs without re-recording them. The step compiles with the config's decode XLA options
+           (`decode_graph_scheduling`), as the Engine's decode loop does.
+           After the warm-up steps: the crc32 of their greedy tokens and a checksum of every bit of the cache
+           (`cache_checksum`); settings that run the same arithmetic must agree on both.
            The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
@@ -823,7 +826,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-variants", nargs="+", default=[""],
                         help="config overrides per decode setting, each 'key=value,...' ('' = none), on the same "
                              "params (e.g. 'fused_projections=true' 'dense_matmul=xla'); keys 'xla_...' are XLA "
-                             "options of the step's compile (e.g. 'xla_gpu_command_buffer_scheduling_mode=CONCURRENT')")
+                             "options of the step's compile (e.g. 'xla_gpu_autotune_level=0')")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps before timing")
