@@ -75,8 +75,9 @@ class MultiHeadLatentAttention(nn.Module):
 
     `decoder_segment_ids` [B, T] int32: 0 marks a padding token, whose key no query may attend to (the cache
     remembers it in `key_valid`). In train mode, tokens attend only within their own segment (packed documents);
-    a cache holds one sequence per row, so prefill / decode only distinguish padding from real tokens. Params (HF names): q_proj | q_a_proj, q_a_layernorm, q_b_proj;
-    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj [kv_lora_rank, H*(nope+v)], o_proj [H*v, D].
+    a cache holds one sequence per row, so prefill / decode only distinguish padding from real tokens. Params (HF
+    names): q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+    [kv_lora_rank, H*(nope+v)], o_proj [H*v, D].
     """
     config: ml_collections.FrozenConfigDict
 

@@ -77,7 +77,8 @@ def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int, n
                                scaling=float(routed_scaling_factor))
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((num_tokens, top_k), F32), jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, top_k), F32),
+                   jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)),
         grid=(num_tokens,),
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
