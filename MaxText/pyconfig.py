@@ -34,6 +34,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "weight_dtype": ("float32", "bfloat16"),
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
     "dense_matmul": ("auto", "xla", "pallas"),
+    "dense_matmul_grid": ("tiles", "rows"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
     "moe_rows_product": ("auto", "tensor_cores", "fma"),
     "decode_graph_scheduling": GRAPH_SCHEDULING_CHOICES,

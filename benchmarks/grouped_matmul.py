@@ -12,15 +12,15 @@ kernel (and, up to 64 rows, where it runs its vector-matrix `rows` grid, its `ti
 512 rows: it reads every expert) and gather (up to 512 rows: it materializes one [K, N] matrix per row) on the
 gate/up shape (K 2304 -> N 1024) and the down shape (K 1024 -> N 2304); reports the weight bytes of the experts in
 use / time; checks every implementation against the fp32 gather oracle on the first layer (relative L2 <= 1e-2).
-Then the MoE's gate and up products as two calls vs one fused call (a tuple of weights: each row block read once for
-both on the `tiles` grid; the `rows` grid launches once per array) vs, up to 16 rows, the `rows` grid in one launch
-(rows_one_launch: each program multiplies by one of the arrays). Then the dense projections of a decode step (q/k/v,
-o, shared expert, lm_head) at --dense-rows rows: jnp.dot against the same kernel with one group
-(pallas_gmm.dense_matmul, config `dense_matmul`). --sweep instead times the
-Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per shape and token count, and the dense
-kernel's (block_k, block_n, least programs), and prints the fastest. --profile lists each timed program's top
-device kernels (jax.profiler; XLA runs small programs as CUDA graphs, which a trace shows as one op: set
-XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
+Then the MoE's SiLU(gate) * up as one call returning both products and XLA's activation vs the same call with glu (the
+activation in the kernel on the `tiles` grid, one output; the `rows` grid launches once per array) vs, up to 16 rows,
+the `rows` grid in one launch (rows_one_launch: each program multiplies its row by both arrays and applies the
+activation; with --sweep, over its tile options). Then the dense projections of a decode step (q/k/v, o, shared expert,
+lm_head) at --dense-rows rows: jnp.dot against the same kernel with one group (pallas_gmm.dense_matmul, config
+`dense_matmul`). --sweep instead times the Pallas kernel's tile options (grid, block_n, block_k, split_k, num_warps) per
+shape and token count, and the dense kernel's (block_k, block_n, least programs), and prints the fastest. --profile
+lists each timed program's top device kernels (jax.profiler; XLA runs small programs as CUDA graphs, which a trace shows
+as one op: set XLA_FLAGS=--xla_gpu_enable_command_buffer= for the kernels).
 Writes grouped_matmul.json.
 """
 
@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.kda_kernels import rel_l2, time_jax  # noqa: E402
-from MaxText.kernels.grouped_matmul import pallas_gmm  # noqa: E402
+from MaxText.kernels.grouped_matmul import glu_output, pallas_gmm  # noqa: E402
 from MaxText.kernels.grouped_matmul.naive import gather_matmul  # noqa: E402
 
 EXPERTS, TOP_K, EMB, WIDTH = 256, 8, 2304, 1024
@@ -63,6 +63,12 @@ SWEEP = [dict(rowwise_max_rows=64, block_n=bn, block_k=bk, split_k=sk) for bn in
     dict(rowwise_max_rows=rmr, block_n=64, block_k=128, split_k=2, num_warps=nw) for rmr in (64, 0) for nw in (2, 8)] + [
     dict(rowwise_max_rows=64, rows_mma=True, block_n=bn, block_k=128, split_k=sk, num_stages=st)
     for bn in (32, 64, 128) for sk in (1, 2, 3, 6) for st in (3, 4)]  # the rows grid on the tensor cores
+# --sweep, the MoE's gate and up in one `rows` launch with SiLU(gate) * up (rows_one_launch, glu): each program both
+# arrays' column block.
+GLU_SWEEP = [dict(rows_mma=True, block_n=bn, block_k=128, split_k=sk, num_stages=st) for bn in (16, 32, 64)
+             for sk in (1, 2, 3) for st in (3, 4)] + [
+    dict(rows_mma=False, block_n=bn, block_k=128, split_k=sk, num_warps=nw) for bn in (32, 64) for sk in (1, 2, 3)
+    for nw in (2, 4)]
 # --sweep, dense projections: pallas_gmm.dense_matmul's tile options (min_programs 1: K never split, no partial sums
 # to add), then its `rows` grid.
 DENSE_SWEEP = [dict(block_k=bk, block_n=bn, min_programs=mp) for bk in (64, 128) for bn in (32, 64, 128)
@@ -183,29 +189,47 @@ def bench_dense(args, rng) -> list[dict]:
 
 
 def bench_gate_up_fusion(args, rng) -> list[dict]:
-    """An MoE's gate and up products (K 2304 -> N 1024 each) as two Pallas calls against one call with both weight
-    arrays (one kernel reads each row block once for both), per token count; each product checked against the fp32
-    oracle; TB/s = weight bytes of both arrays' experts in use / time."""
+    """An MoE's SwiGLU hidden activation SiLU(rows Wg) * rows Wu (K 2304 -> N 1024 each), per token count: one Pallas
+    call with both weight arrays returning both products, then XLA's activation (the MoE before glu), against the
+    same call with glu (the `tiles` grid: one kernel reads each row block once for both and applies the activation,
+    one output; the `rows` grid: one launch per array, the activation after), against, up to 16 rows, the `rows` grid
+    in one launch (rows_one_launch: each program multiplies its row by both arrays' column block and applies the
+    activation). With --sweep, the rows grid in one launch over GLU_SWEEP's tile options instead. Each result checked
+    against the fp32 oracle; TB/s = weight bytes of both arrays' experts in use / time."""
     weights = random_weights(7, 2 * args.layers, (EXPERTS, EMB, WIDTH))
     gate_up = list(zip(weights[::2], weights[1::2]))  # per layer (gate, up) [E, K, N]
     oracle_weights = [w.astype(jnp.float32) for w in gate_up[0]]
-    impls = {"two calls": lambda r, w, s, g: tuple(pallas_gmm.grouped_matmul(r, x, s, g) for x in w),
-             "fused": pallas_gmm.grouped_matmul,  # at <= ROWWISE_MAX_ROWS rows: one `rows` launch per array
-             "one launch": functools.partial(pallas_gmm.grouped_matmul, rows_one_launch=True)}
+    glu = functools.partial(pallas_gmm.grouped_matmul, glu=True)
+    if args.sweep:
+        impls = {json.dumps(opts): functools.partial(glu, rows_one_launch=True, **opts) for opts in GLU_SWEEP}
+    else:
+        impls = {"products + activation": lambda r, w, s, g: glu_output(*pallas_gmm.grouped_matmul(r, w, s, g),
+                                                                        r.dtype),  # the MoE before glu
+                 "glu": glu,  # at <= ROWWISE_MAX_ROWS rows: one `rows` launch per array, the activation after
+                 "one launch": functools.partial(glu, rows_one_launch=True)}
     out = []
     for tokens in args.tokens:
         rows, sizes, groups, used = routed_rows(rng, tokens, EMB, args.layers, args.expert_pool,
                                                 args.rows_per_token)
-        wants = [jax.jit(oracle)(rows[0], w, groups[0]) for w in oracle_weights]
+        if args.sweep and rows[0].shape[0] > pallas_gmm.ROWWISE_MAX_ROWS:  # GLU_SWEEP: the rows grid
+            continue
+        gate, up = (jax.jit(oracle)(rows[0], w, groups[0]) for w in oracle_weights)
         row = {"tokens": tokens, "rows": int(rows[0].shape[0]), "experts_used": used}
-        row.update(time_impls(f"gate+up tokens={tokens} rows={row['rows']}", impls, (rows, gate_up, sizes, groups),
-                              wants, 2 * used * EMB * WIDTH * 2, args))
+        rows_grid = row["rows"] <= pallas_gmm.ROWWISE_MAX_ROWS
+        row.update(time_impls(f"gate+up (glu) tokens={tokens} rows={row['rows']}",
+                              {name: fn for name, fn in impls.items() if rows_grid or name != "one launch"},
+                              (rows, gate_up, sizes, groups), [jax.nn.silu(gate) * up], 2 * used * EMB * WIDTH * 2,
+                              args))
         out.append(row)
-    print("\n| gate + up | tokens | rows | two calls us | fused us | fused / two calls | rows grid, one launch us |")
+    if args.sweep:
+        return out
+    print("\n| gate + up, SiLU(gate) * up | tokens | rows | products, then XLA's activation us | glu us | "
+          "glu / products | rows grid, one launch us |")
     print("|---|---|---|---|---|---|---|")
     for r in out:
-        print(f"| | {r['tokens']} | {r['rows']} | {r['two calls']['us']:.1f} | {r['fused']['us']:.1f} | "
-              f"{r['fused']['us'] / r['two calls']['us']:.2f} | {r['one launch']['us']:.1f} |")
+        print(f"| | {r['tokens']} | {r['rows']} | {r['products + activation']['us']:.1f} | {r['glu']['us']:.1f} | "
+              f"{r['glu']['us'] / r['products + activation']['us']:.2f} | "
+              + (f"{r['one launch']['us']:.1f} |" if "one launch" in r else "- |"))
     return out
 
 
@@ -256,7 +280,7 @@ def main() -> int:
                                   (rows, weights, sizes, groups), [want], used * contract * out_dim * 2, args))
             results.append(row)
     dense = bench_dense(args, rng)
-    fusion = [] if args.sweep else bench_gate_up_fusion(args, rng)
+    fusion = bench_gate_up_fusion(args, rng)
     ok = all(timed["ok"] for row in results + dense + fusion for timed in row.values() if isinstance(timed, dict))
     if not args.sweep:
         print("\n| shape | tokens | rows | experts used | pallas us | pallas tiles us | ragged_dot us | gather us | "

@@ -153,23 +153,31 @@ def test_auto_on_one_gpu_takes_pallas_and_falls_back_with_a_reason(monkeypatch):
         gmm.resolve("pallas")
 
 
-def test_pallas_gradients_equal_the_gather_paths():
-    """Training on a GPU gets the Pallas forward: its custom VJP (ragged_dot's backward) must give the same
-    gradients as the differentiable gather oracle. Without the VJP, jax.grad fails on the pallas_call."""
+@pytest.mark.parametrize("glu", [False, True])
+def test_pallas_gradients_equal_the_gather_paths(glu):
+    """Training on a GPU gets the Pallas forward: its custom VJP (ragged_dot's backward; with glu, of the gate and up
+    products and SiLU(gate) * up) must give the same gradients as the differentiable gather oracle. Without the
+    VJP, jax.grad fails on the pallas_call."""
     rows, weights, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
                                                 jnp.float32, seed=4)
+    weights = (weights, weights[:, ::-1] * 0.5 - 0.1) if glu else weights  # (gate, up) with glu
     cotangent = jnp.asarray(np.random.default_rng(5).normal(size=(rows.shape[0], 16)), jnp.float32)
     highest = jax.lax.Precision.HIGHEST
 
     def loss(fn):
         return lambda r, w: jnp.sum(fn(r, w) * cotangent)
 
-    want = jax.grad(loss(lambda r, w: gather_matmul(r, w, row_groups, precision=highest)), argnums=(0, 1))(rows,
-                                                                                                          weights)
+    def oracle(r, w):
+        if not glu:
+            return gather_matmul(r, w, row_groups, precision=highest)
+        gate, up = (gather_matmul(r, x, row_groups, precision=highest) for x in w)
+        return jax.nn.silu(gate) * up
+
+    want = jax.grad(loss(oracle), argnums=(0, 1))(rows, weights)
     with jax.default_matmul_precision("highest"):
-        got = jax.grad(loss(lambda r, w: pallas_gmm.grouped_matmul(r, w, sizes, row_groups, interpret=True)),
-                       argnums=(0, 1))(rows, weights)
-    for g, w in zip(got, want):
+        got = jax.grad(loss(lambda r, w: pallas_gmm.grouped_matmul(r, w, sizes, row_groups, glu=glu,
+                                                                   interpret=True)), argnums=(0, 1))(rows, weights)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
@@ -189,6 +197,70 @@ def test_pallas_several_weights_in_one_kernel_match_separate_products(rowwise_ma
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="all of one shape"):
         pallas_gmm.grouped_matmul(rows, (gate, up[:, :, :16]), sizes, row_groups, interpret=True)
+
+
+def _pallas_outputs(fn, *args) -> list[int]:
+    """The number of outputs of each pallas_call in fn's jaxpr (nested ones, e.g. under a custom VJP, included)."""
+    counts = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                counts.append(len(eqn.outvars))
+                continue
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+@pytest.mark.parametrize("rowwise_max_rows,rows_one_launch,split_k,in_kernel", [
+    (0, False, 1, True), (0, False, 2, False), (1000, False, 1, False), (1000, True, 1, True), (1000, True, 2, False)])
+def test_glu_is_silu_of_gate_times_up(rowwise_max_rows, rows_one_launch, split_k, in_kernel):
+    """glu=True returns SiLU(rows @ gate) * (rows @ up) as one array, computed inside the kernel (one output per
+    pallas_call) where one program holds both products and K is whole (the `tiles` grid, the `rows` grid in one
+    launch), else from the products after it; the rows grid's extra (shared-expert) rows included."""
+    rows, gate, sizes, row_groups = _problem(GROUP_SIZES["decode, one row per expert"], 64, 48, jnp.float32, seed=8)
+    up = gate[:, ::-1, :] * 0.5 + 0.1
+    rng = np.random.default_rng(10)
+    extras = tuple(jnp.asarray(rng.normal(size=(1, 64, 48)) / 8, jnp.float32) for _ in range(2))
+    if rowwise_max_rows:  # one row of the extra group
+        row_groups = row_groups.at[2].set(len(sizes))
+    else:
+        extras = None
+    call = functools.partial(pallas_gmm.grouped_matmul, group_sizes=sizes, row_groups=row_groups, extra_weights=extras,
+                             block_k=32, split_k=split_k, rowwise_max_rows=rowwise_max_rows,
+                             rows_one_launch=rows_one_launch, glu=True, interpret=True)
+    got = call(rows, (gate, up))
+    products = [gather_matmul(rows, jnp.concatenate([w, x]) if extras else w, row_groups,
+                              precision=jax.lax.Precision.HIGHEST) for w, x in zip((gate, up), extras or (0, 0))]
+    want = jax.nn.silu(products[0]) * products[1]
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert sum(_pallas_outputs(call, rows, (gate, up))) == (1 if in_kernel else 2)  # outputs written
+    with pytest.raises(ValueError, match="expected two weight arrays, got 1"):
+        call(rows, (gate,))
+
+
+@pytest.mark.parametrize("implementation", ["gather", "ragged_dot", "pallas"])
+def test_dispatcher_glu_on_every_implementation(implementation, monkeypatch):
+    """The MoE's SwiGLU hidden activation from the dispatcher: glu_output of the gate and up products everywhere."""
+    rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
+                                             jnp.float32, seed=7)
+    up = gate * -2.0 + 0.3
+    if implementation == "pallas":
+        monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
+        monkeypatch.setattr(pallas_gmm, "grouped_matmul",
+                            functools.partial(pallas_gmm.grouped_matmul, interpret=True))
+    with jax.default_matmul_precision("highest"):
+        got = gmm.grouped_matmul(rows, (gate, up), sizes, row_groups, implementation=implementation,
+                                 precision=jax.lax.Precision.HIGHEST, glu=True)
+    products = [gather_matmul(rows, w, row_groups, precision=jax.lax.Precision.HIGHEST) for w in (gate, up)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.nn.silu(products[0]) * products[1]), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("implementation", ["gather", "ragged_dot", "pallas"])
@@ -223,15 +295,24 @@ def test_tiles_pipeline_fits_shared_memory():
 def test_default_tiles_for_few_rows():
     """Up to 16 bf16 rows: the tensor-core rows grid, K split in two from 16 blocks on with block_n 128 (the 48B
     gate/up: 18 blocks of 128, 15.5 vs 23.1 us for the FMA grid on an H200), else K whole with block_n 64 (down: 8
-    blocks); float32 rows keep the FMA grid with 6 K splits where they divide K's blocks, else 2, else 1; more rows
-    keep K whole on the tiles grid."""
+    blocks); bf16 rows on the FMA grid (rows_mma False): 2 warps, block_n 64, K in two from 16 blocks else in four;
+    gate and up in one launch: block_n 64 on the tensor cores; float32 rows keep the FMA grid with 6 K splits where
+    they divide K's blocks, else 2, else 1; more rows keep K whole on the tiles grid."""
     tiles = pallas_gmm.default_tiles
-    assert tiles(8, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 2, "rows_mma": True}
-    assert tiles(8, jnp.bfloat16, 8) == {"block_m": 16, "block_n": 64, "split_k": 1, "rows_mma": True}
+    assert tiles(8, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 2, "rows_mma": True,
+                                          "num_warps": 4}
+    assert tiles(8, jnp.bfloat16, 8) == {"block_m": 16, "block_n": 64, "split_k": 1, "rows_mma": True,
+                                         "num_warps": 4}
     assert tiles(16, jnp.bfloat16, 17)["split_k"] == 1
+    fma = {k: tiles(9, jnp.bfloat16, k, rows_mma=False) for k in (18, 8, 9)}
+    assert [t["split_k"] for t in fma.values()] == [2, 4, 1]
+    assert all(t["num_warps"] == 2 and t["block_n"] == 64 and not t["rows_mma"] for t in fma.values())
+    assert tiles(9, jnp.bfloat16, 18, one_launch=True) == {"block_m": 16, "block_n": 64, "split_k": 2,
+                                                            "rows_mma": True, "num_warps": 4}
     assert [tiles(8, jnp.float32, k)["split_k"] for k in (18, 8, 9)] == [6, 2, 1]
     assert not tiles(8, jnp.float32, 18)["rows_mma"]
-    assert tiles(64, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 1, "rows_mma": False}
+    assert tiles(64, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 1, "rows_mma": False,
+                                           "num_warps": 4}
 
 
 def test_bf16_rows_grid_multiplies_on_the_tensor_cores_by_default():
@@ -261,9 +342,10 @@ def test_pallas_gradients_of_several_weights_equal_the_gather_paths():
 
 
 @pytest.mark.parametrize("contract,out_dim,want", [(2304, 4096, 4), (4096, 2304, 8), (2304, 1024, 18),
-                                                    (1024, 2304, 8), (256, 128, 4)])
+                                                    (1024, 2304, 8), (256, 128, 4), (128, 4096, 1)])
 def test_dense_split_k_reaches_enough_programs_or_splits_every_block(contract, out_dim, want):
-    """Kimi-Linear-48B's q/k/v, o, shared-expert gate/up and down projections (blocks of 64): >= 256 programs."""
+    """Kimi-Linear-48B's q/k/v, o, shared-expert gate/up and down projections (blocks of 64): >= 256 programs;
+    KDA's f_b / g_b (K = 128: 16 KiB per program's slice) keep K whole, no partial-sum kernel."""
     assert pallas_gmm.dense_split_k(contract, out_dim, 64, 64) == want
 
 
@@ -282,17 +364,40 @@ def test_pallas_dense_matmul_interpret_matches_dot(num_rows, grid):
         pallas_gmm.dense_matmul(x, kernel, grid="cols", interpret=True)
 
 
-def test_pallas_dense_matmul_of_several_kernels_in_one_launch():
-    """A tuple of same-shape kernels (q / k / v of one input): one launch, each product as alone; shapes must match."""
+@pytest.mark.parametrize("grid", ["tiles", "rows"])
+def test_pallas_dense_matmul_of_several_kernels_in_one_launch(grid):
+    """A tuple of same-shape kernels (q / k / v of one input): one launch, each product as alone; shapes must match.
+    The rows grid reads the row as it is (no pad kernel before the launch); the tiles grid pads it to 16 rows."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(1, 256)), jnp.bfloat16)
     kernels = tuple(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16) for _ in range(3))
-    got = pallas_gmm.dense_matmul(x, kernels, interpret=True)
+    call = functools.partial(pallas_gmm.dense_matmul, grid=grid, interpret=True)
+    got = call(x, kernels)
     assert isinstance(got, tuple) and len(got) == 3
     for out, kernel in zip(got, kernels):
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(pallas_gmm.dense_matmul(x, kernel, interpret=True)))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(call(x, kernel)))
+    assert _pallas_outputs(call, x, kernels) == [3]  # one launch writing the three products
+    assert ("pad" in str(jax.make_jaxpr(call)(x, kernels))) == (grid == "tiles")
     with pytest.raises(ValueError, match="must share a shape"):
-        pallas_gmm.dense_matmul(x, (kernels[0], kernels[1][:, :64]), interpret=True)
+        call(x, (kernels[0], kernels[1][:, :64]))
+
+
+def test_dense_matmul_grid_reaches_the_kernel(monkeypatch):
+    """The config key dense_matmul_grid picks the Pallas dense kernel's grid for every projection (`project`)."""
+    from MaxText import pyconfig
+    from MaxText.layers.linears import project
+    seen = []
+    monkeypatch.setattr(gmm, "resolve_dense", lambda *a: "pallas")  # as at batch-1 decode on one GPU
+    monkeypatch.setattr(pallas_gmm, "dense_matmul",
+                        lambda x, kernels, grid: seen.append(grid) or tuple(x @ k for k in kernels))
+    x = jnp.ones((1, 1, 32), jnp.float32)
+    for grid in ("tiles", "rows"):
+        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": grid})
+        assert project(config, x, jnp.ones((32, 8), jnp.float32)).shape == (1, 1, 8)
+    assert seen == ["tiles", "rows"]
+    assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).dense_matmul_grid == "tiles"  # the default
+    with pytest.raises(ValueError, match="dense_matmul_grid"):
+        pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": "cols"})
 
 
 def test_dense_dispatcher_choices_and_errors(monkeypatch):
@@ -317,9 +422,9 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16"])
     calls, kernel_fn = [], pallas_gmm.dense_matmul
 
-    def interpreted(rows, kernel):
+    def interpreted(rows, kernel, grid):
         calls.append(rows.shape)
-        return kernel_fn(rows, kernel, interpret=True)
+        return kernel_fn(rows, kernel, grid=grid, interpret=True)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 1, 256)), jnp.bfloat16)
     layer = Dense(config, 128)
     params = layer.init(jax.random.key(0), x)

@@ -214,3 +214,31 @@ def test_moe_rows_product_reaches_the_rows_grid(product, mma, monkeypatch):
     x = jnp.asarray(np.random.default_rng(5).normal(size=(1, 2, 32)), jnp.float32)
     MoE(config).apply(MoE(config).init(jax.random.PRNGKey(0), x), x)
     assert seen and all(value is mma for value in seen), seen
+
+
+def test_moe_gate_up_one_launch_reaches_the_gate_up_call(monkeypatch):
+    """moe_gate_up_one_launch: the gate and up products (glu: the MoE takes SiLU(gate) * up from the kernel) run
+    in one rows-grid launch or one per array, with the same output; the down product is one array as before."""
+    from MaxText.kernels import grouped_matmul as gmm
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=8, num_experts_per_tok=2, n_routing_groups=1,
+                   topk_routing_group=1, moe_grouped_matmul="pallas", num_decoder_layers=1, kda_layers=[1],
+                   mla_layers=[])
+    assert not pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_gate_up_one_launch  # the default
+    monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
+    seen, kernel = [], pallas_gmm.grouped_matmul
+
+    def recorded(*args, **kwargs):
+        seen.append((kwargs["glu"], kwargs["rows_one_launch"]))
+        return kernel(*args, interpret=True, **kwargs)
+    monkeypatch.setattr(pallas_gmm, "grouped_matmul", recorded)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(1, 3, 32)), jnp.float32)
+    outputs = []
+    for one_launch in (True, False):
+        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_gate_up_one_launch": one_launch})
+        params = MoE(config).init(jax.random.PRNGKey(0), x)
+        seen.clear()
+        with jax.default_matmul_precision("highest"):
+            outputs.append(np.asarray(MoE(config).apply(params, x)))
+        assert seen == [(True, one_launch), (False, False)]  # gate + up (SiLU(gate) * up), then down
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

@@ -91,14 +91,14 @@ class RoutedExperts(nn.Module):
             row_experts = jnp.concatenate([row_experts, jnp.full((num_tokens,), num_experts, row_experts.dtype)])
             extra = tuple(kernel[None] for kernel in shared_kernels)  # [1, D, I], [1, D, I], [1, I, D]
 
-        def matmul(lhs, w, extra_weights):
+        def matmul(lhs, w, extra_weights, **options):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
                                   precision=precision, extra_weights=extra_weights,
-                                  rows_mma=ROWS_MMA[cfg.moe_rows_product])
+                                  rows_mma=ROWS_MMA[cfg.moe_rows_product], **options)
 
-        # [rows, I] each (Pallas tiles: one kernel)
-        gate, up = matmul(rows, (w_gate, w_up), extra[:2] if extra else None)
-        hidden = nn.silu(gate) * up  # [rows, I]
+        # SiLU(rows Wg) * rows Wu [rows, I] (Pallas: in the gate and up kernel where one program holds both products)
+        hidden = matmul(rows, (w_gate, w_up), extra[:2] if extra else None, glu=True,
+                        rows_one_launch=cfg.moe_gate_up_one_launch)
         out = matmul(hidden, w_down, extra[2] if extra else None)  # [rows, D]
         if sort:
             out = jnp.zeros_like(out).at[order].set(out)  # back to token order

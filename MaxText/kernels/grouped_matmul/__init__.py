@@ -108,15 +108,31 @@ def as_tuple(arrays) -> tuple[tuple, bool]:
     return (tuple(arrays) if several else (arrays,)), several
 
 
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SiLU(gate) * up, the SwiGLU's hidden activation, in the inputs' (float32) precision (`glu`: applied to the
+    float32 accumulators inside the kernels, or to the summed K splits' partial products after them)."""
+    return gate * up / (1.0 + jnp.exp(-gate))
+
+
+def glu_output(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """silu_glu of two products (any dtype; computed in float32) -> `dtype`."""
+    return silu_glu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
+
+
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
-                   implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None):
+                   implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None,
+                   rows_one_launch: bool = False, glu: bool = False):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1, on the
     Pallas `rows` grid only (`extra_groups_supported`; pallas_gmm.grouped_matmul). rows_mma: whether the Pallas
-    `rows` grid multiplies on the tensor cores (None: its default, `pallas_gmm.default_tiles`)."""
+    `rows` grid multiplies on the tensor cores (None: its default, `pallas_gmm.default_tiles`); rows_one_launch:
+    whether it multiplies by every array in one launch. glu: `weights` is (gate, up); returns the one array
+    glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products)."""
     weights, several = as_tuple(weights)
+    if glu and len(weights) != 2:
+        raise ValueError(f"glu multiplies by (gate, up): expected two weight arrays, got {len(weights)}")
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
                                                                 weights[0].shape[2], rows.shape[0]):
@@ -124,13 +140,15 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                          f"moe_grouped_matmul={implementation!r} runs {chosen} for {rows.shape[0]} rows")
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        outs = pallas_gmm.grouped_matmul(rows, weights, group_sizes, row_groups, extra_weights=extra_weights,
-                                         rows_mma=rows_mma)
-    else:
-        product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
-                   if chosen == "ragged_dot" else
-                   functools.partial(gather_matmul, row_groups=row_groups, precision=precision))
-        outs = tuple(product(rows, w) for w in weights)
+        return pallas_gmm.grouped_matmul(rows, weights if several else weights[0], group_sizes, row_groups,
+                                         extra_weights=extra_weights, rows_mma=rows_mma,
+                                         rows_one_launch=rows_one_launch, glu=glu)
+    product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
+               if chosen == "ragged_dot" else
+               functools.partial(gather_matmul, row_groups=row_groups, precision=precision))
+    outs = tuple(product(rows, w) for w in weights)
+    if glu:
+        return glu_output(*outs, rows.dtype)
     return outs if several else outs[0]
 
 
@@ -173,18 +191,19 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
                                "xla", "auto or xla")
 
 
-def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precision=None):
+def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precision=None, grid: str = "tiles"):
     """x [..., K] @ kernel [K, N] -> [..., N] in x's dtype. xla: jnp.dot (with `precision`). pallas: the grouped
     matmul's tiles grid with one group and K split over programs (pallas_gmm.dense_matmul): XLA's M = 1
     products read an H200's memory at ~0.6 TB/s in a Kimi-Linear-48B decode step (benchmarks/RESULTS.md).
-    `kernel` may be a tuple of same-shape [K, N] kernels: returns the tuple of products (pallas: one launch)."""
+    `kernel` may be a tuple of same-shape [K, N] kernels: returns the tuple of products (pallas: one launch).
+    grid: the Pallas kernel's grid (pallas_gmm.dense_matmul; config key `dense_matmul_grid`)."""
     kernels, several = as_tuple(kernel)
     rows = math.prod(x.shape[:-1])
     if resolve_dense(implementation, x.dtype, x.shape[-1], kernels[0].shape[-1], rows) == "xla":
         outs = tuple(jnp.dot(x, k, precision=precision) for k in kernels)
     else:
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        outs = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernels)  # [M, N] each
+        outs = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernels, grid=grid)  # [M, N] each
         outs = tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
     return outs if several else outs[0]
 

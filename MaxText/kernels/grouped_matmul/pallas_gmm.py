@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, as_tuple
+from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, as_tuple, glu_output, silu_glu
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
@@ -42,6 +42,9 @@ BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides
 # expert shapes, routing within 48 experts: 16 rows 24 / 26 us (rows) vs 33 / 29 (tiles); 32 rows 49 / 51 vs 42 / 42;
 # 64 rows 66 / 76 vs 57 / 55.
 MMA_ROWS = 16  # the tensor cores' least tile height (`rows_mma` pads each row to it)
+# dense_split_k keeps K whole where a program's [K, block_n] slice is at most this: a split would add a partial-sum
+# kernel (one more launch, ~2 us in a decode step) to products of ~1 us.
+UNSPLIT_MAX_BYTES = 16 * 1024
 SHARED_MEMORY_BYTES = 232448  # per thread block on an H200 (227 KiB): bounds the `tiles` grid's pipeline stages
 
 
@@ -55,25 +58,38 @@ def unsupported_reason(rows_dtype, contract_dim: int, out_dim: int) -> str | Non
     return None
 
 
-def default_tiles(num_rows: int, dtype, k_blocks: int) -> dict:
-    """block_m (`tiles` only), block_n, split_k and rows_mma (`rows` only) by row count and K's blocks. Measured on
-    an H200 at Kimi-Linear-48B's expert shapes (benchmarks/grouped_matmul.py --sweep, bf16, 8 rows: batch-1 decode):
-    on the tensor cores (`rows_mma`), gate/up (18 K blocks of 128) 15.5 us with block_n 128 and 2 K splits (FMA rows
-    grid 23.1 with block_n 64 and 6 splits, the previous default), down (8 K blocks) 20.6 us with block_n 64 and K
-    whole (FMA 25.3 with 2 splits): K splits in two from 16 blocks on (each program then reads at most ~9 blocks), and
-    block_n 128 where K is split, 64 where it is not. float32 rows keep the FMA grid (3-pass tf32 would triple the
+def default_tiles(num_rows: int, dtype, k_blocks: int, one_launch: bool = False, rows_mma: bool | None = None) -> dict:
+    """block_m (`tiles` only), block_n, split_k, rows_mma (`rows` only) and num_warps by row count, K's blocks and
+    (`rows` grid) whether each program multiplies by several arrays (`one_launch`) and the product requested
+    (`rows_mma`: None for the default). Measured on an H200 at Kimi-Linear-48B's expert shapes
+    (benchmarks/grouped_matmul.py --sweep, bf16, 8 rows: batch-1 decode): on the tensor cores (`rows_mma`), gate/up
+    (18 K blocks of 128) 15.5 us with block_n 128 and 2 K splits (FMA rows grid 23.1 with block_n 64 and 6 splits, the
+    previous default), down (8 K blocks) 20.6 us with block_n 64 and K whole (FMA 25.3 with 2 splits): K splits in two
+    from 16 blocks on (each program then reads at most ~9 blocks), and block_n 128 where K is split, 64 where it is
+    not. At the 48B step's 9 rows (the shared expert's row too; two sweeps, twelfth session): the FMA grid with 2
+    warps, block_n 64 and 2 K splits was the fastest gate/up (14.9 / 15.0 us vs 18.0 / 19.9 with the tensor-core
+    default), and for down 4 K splits (16.8 us): the bf16 FMA grid's tiles (`moe_rows_product=fma`). In one launch
+    for gate and up (`one_launch`, each program both arrays), block_n 64 and 2 K splits on the tensor cores (27.2 us
+    at 9 rows, vs 31.6 with block_n 32 and K whole). float32 rows keep the FMA grid (3-pass tf32 would triple the
     products): block_n 64 and 6 K splits where they divide K's blocks, else 2, else 1.
     64 rows 75 us with block_n 128 (rows or tiles grid); 512 rows 257 us with tiles of block_n 128 (268-279 us with
     64). float32 keeps block_n 64: three pipeline stages of fp32 [64, 128] row and [128, 128] weight blocks would
     exceed an H200's 227 KiB of shared memory."""
-    block_n = 128 if jnp.dtype(dtype) == jnp.bfloat16 else 64
-    if num_rows <= ROWWISE_MAX_ROWS and jnp.dtype(dtype) == jnp.bfloat16:
-        split_k = 2 if k_blocks >= 16 and k_blocks % 2 == 0 else 1
-        return {"block_m": 16, "block_n": 128 if split_k > 1 else 64, "split_k": split_k, "rows_mma": True}
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    halves = 2 if k_blocks >= 16 and k_blocks % 2 == 0 else 1  # K in two from 16 blocks on
+    if num_rows <= ROWWISE_MAX_ROWS and bf16 and one_launch:
+        return {"block_m": 16, "block_n": 64, "split_k": halves, "rows_mma": True, "num_warps": 4}
+    if num_rows <= ROWWISE_MAX_ROWS and bf16 and rows_mma is not False:
+        return {"block_m": 16, "block_n": 128 if halves > 1 else 64, "split_k": halves, "rows_mma": True,
+                "num_warps": 4}
+    if num_rows <= ROWWISE_MAX_ROWS and bf16:
+        split_k = halves if halves > 1 else next((d for d in (4, 2) if k_blocks % d == 0), 1)
+        return {"block_m": 16, "block_n": 64, "split_k": split_k, "rows_mma": False, "num_warps": 2}
     if num_rows <= ROWWISE_MAX_ROWS:
         split_k = next((d for d in (6, 2) if k_blocks % d == 0), 1)
-        return {"block_m": 16, "block_n": 64, "split_k": split_k, "rows_mma": False}
-    return {"block_m": 16 if num_rows <= 1024 else 64, "block_n": block_n, "split_k": 1, "rows_mma": False}
+        return {"block_m": 16, "block_n": 64, "split_k": split_k, "rows_mma": False, "num_warps": 4}
+    return {"block_m": 16 if num_rows <= 1024 else 64, "block_n": 128 if bf16 else 64, "split_k": 1,
+            "rows_mma": False, "num_warps": 4}
 
 
 def _block(dim: int, requested: int) -> int:
@@ -102,9 +118,9 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     return group, jnp.where(real, start, 0), jnp.where(real, group_end[group], 0)
 
 
-def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, precise,
-                interpret):
-    w_refs, out_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]  # one output per weight array
+def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, num_weights,
+                glu, precise, interpret):
+    w_refs, out_refs = refs[:num_weights], refs[num_weights:]  # one output per weight array (glu: one)
     # split: this program's K blocks are [split * k_blocks, (split + 1) * k_blocks)
     tile, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end, group = start_ref[tile], end_ref[tile], group_ref[tile]
@@ -122,84 +138,76 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
                          for acc, w_ref in zip(accs, w_refs))
 
         accs = lax.fori_loop(0, k_blocks, body, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs))
-        for acc, out_ref in zip(accs, out_refs):
+        for acc, out_ref in zip((silu_glu(*accs),) if glu else accs, out_refs):
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, split_k, num_weights, num_groups, mma,
+def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, num_weights, num_groups, mma, glu,
                     interpret):
-    """refs: the weight refs, then (with extra weights) one extra weight ref per weight, then one output ref per
-    weight. Grid axis 2 enumerates (weight, K split): each program multiplies one row by one weight array's
-    [K / split_k, block_n] block; a row of group g >= num_groups uses the extra weights' matrix g - num_groups.
-    mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0 (zeros elsewhere), so that
-    Triton pipelines the weight loads as it does for products; else float32 FMAs and a reduction over K."""
-    w_refs, out_refs = refs[:num_weights], refs[len(refs) - num_weights:]
-    extra_refs = refs[num_weights:len(refs) - num_weights]  # () or one per weight
-    row, col_block, program = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    split = program if num_weights == 1 else program % split_k
+    """refs: `num_weights` weight refs, then (with extra weights) one extra weight ref per weight, then the outputs
+    (one per weight; glu: one). Each program multiplies its row by every weight array's [K / split_k, block_n]
+    block in one loop over K (the row loaded once for all); a row of group g >= num_groups uses the extra weights'
+    matrix g - num_groups. mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0
+    (zeros elsewhere), so that Triton pipelines the weight loads as it does for products; else float32 FMAs and a
+    reduction over K. glu: stores silu_glu of the two products (split_k 1 only)."""
+    num_outputs = 1 if glu else num_weights
+    w_refs, extra_refs, out_refs = refs[:num_weights], refs[num_weights:-num_outputs], refs[-num_outputs:]
+    row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = groups_ref[row]
     cols = pl.ds(col_block * block_n, block_n)
 
     first_row = jnp.arange(MMA_ROWS)[:, None] == 0  # rows_mma: the 16-row tile holds the row in row 0
     precise = rows_ref.dtype == jnp.float32
 
-    def product(w_ref, matrix, out_ref):
-        def k_block(kb):
-            return pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
-
-        def fma_body(kb, acc):
-            ks = k_block(kb)
-            x = rows_ref[row, ks].astype(jnp.float32)  # [BK]
-            return acc + jnp.sum(x[:, None] * w_ref[matrix, ks, cols].astype(jnp.float32), axis=0)  # [BN]
-
-        def mma_body(kb, acc):
-            ks = k_block(kb)
-            x = rows_ref[row, ks]  # [BK]
-            tile = jnp.where(first_row, x[None, :], jnp.zeros((), x.dtype))  # [16, BK]: the row, then zeros
-            return acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
-
+    def body(weight_refs, matrix, kb, accs):
+        ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
+        x = rows_ref[row, ks]  # [BK]
         if mma:
-            acc = jnp.sum(lax.fori_loop(0, k_blocks, mma_body, jnp.zeros((MMA_ROWS, block_n), jnp.float32)), axis=0)
-        else:
-            acc = lax.fori_loop(0, k_blocks, fma_body, jnp.zeros((block_n,), jnp.float32))
-        out_ref[split, row, cols] = acc.astype(out_ref.dtype)
+            tile = jnp.where(first_row, x[None, :], jnp.zeros((), x.dtype))  # [16, BK]: the row, then zeros
+            return tuple(acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
+                         for acc, w_ref in zip(accs, weight_refs))
+        x = x.astype(jnp.float32)
+        return tuple(acc + jnp.sum(x[:, None] * w_ref[matrix, ks, cols].astype(jnp.float32), axis=0)  # [BN]
+                     for acc, w_ref in zip(accs, weight_refs))
 
-    def weight_product(which):
-        if not extra_refs:
-            product(w_refs[which], group, out_refs[which])
-            return
-        extra = group >= num_groups
-        pl.when(jnp.logical_not(extra))(functools.partial(product, w_refs[which], group, out_refs[which]))
-        pl.when(extra)(functools.partial(product, extra_refs[which], group - num_groups, out_refs[which]))
+    def multiply(weight_refs, matrix):
+        acc_shape = (MMA_ROWS, block_n) if mma else (block_n,)
+        accs = lax.fori_loop(0, k_blocks, functools.partial(body, weight_refs, matrix),
+                             tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
+        accs = tuple(jnp.sum(acc, axis=0) for acc in accs) if mma else accs  # [BN] each
+        for acc, out_ref in zip((silu_glu(*accs),) if glu else accs, out_refs):
+            out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
-    if num_weights == 1:
-        weight_product(0)
+    if not extra_refs:
+        multiply(w_refs, group)
         return
-    for which in range(num_weights):
-        pl.when(program // split_k == which)(functools.partial(weight_product, which))
+    extra = group >= num_groups
+    pl.when(jnp.logical_not(extra))(functools.partial(multiply, w_refs, group))
+    pl.when(extra)(functools.partial(multiply, extra_refs, group - num_groups))
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-                   split_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                   split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
-                   rows_mma: bool | None = None, extra_weights=None, interpret: bool = False):
+                   rows_mma: bool | None = None, glu: bool = False, extra_weights=None, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
     row block once for all of them in one kernel (H200, 48B experts, gate + up: 32 rows 80 vs 96 us as two calls);
-    the `rows` grid launches one kernel per array (one kernel made batch-1 decode of the 48B model 5.8 instead of
-    4.4 ms per token), or with
-    rows_one_launch one kernel whose programs each multiply by one of the arrays (a launch grid axis over (array,
-    K split); H200, 48B gate + up alone, FMA rows grid: 32.8 vs 30.3 us at 8 rows, 42.7 vs 46.9 at 16; not a
-    default, not timed in the whole model, where concurrent CUDA graphs already run the two launches side by side).
+    the `rows` grid launches one kernel per array, or with rows_one_launch one kernel whose programs each multiply
+    their row by every array's column block (the row loaded once for all, half the programs of two launches).
+    glu: `weights` is (gate, up) and the result is silu_glu(rows @ gate, rows @ up) [M, N], one array: applied to the
+    float32 accumulators inside the kernel where one program holds both products (the `tiles` grid, or the `rows`
+    grid with rows_one_launch, K not split: one output written instead of two, no activation kernel), else to the
+    float32 sums of the products after it.
     The `tiles` grid (and the `rows` grid with rows_mma) multiplies bf16 operands in one tensor-core pass (fp32
     accumulation) and fp32 ones in 3-pass tf32 (about fp32); the `rows` grid without it in float32 FMAs.
-    block_m, block_n, split_k and rows_mma default to `default_tiles(M, rows.dtype, K / block_k)` (block_m: 16 rows,
-    the tensor cores' least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages,
-    fewer where they would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two).
-    split_k > 1 cuts K into that many equal parts, each its own program (more programs for few rows), writing
-    float32 partial products that are then summed.
+    block_m, block_n, split_k, rows_mma and num_warps default to `default_tiles` (block_m: 16 rows, the tensor cores'
+    least, up to 1024 rows, 64 above). The `tiles` grid runs at most `num_stages` pipeline stages, fewer where they
+    would not fit in SHARED_MEMORY_BYTES (`tiles_pipeline_stages`; gate and up at block_m 64: two). split_k > 1 cuts K
+    into that many equal parts, each its own program (more programs for few rows), writing float32 partial products that
+    are then summed.
 
     rows_mma: the `rows` grid multiplies on the tensor cores (each row padded to a 16-row tile; Triton then pipelines
     the weight loads, `num_stages`) instead of in float32 FMAs; default `default_tiles` (bf16 rows: on).
@@ -208,18 +216,20 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
     the [E, K, N] arrays). Forward only (decode).
 
-    Differentiable (without extra_weights): the backward pass is `jax.lax.ragged_dot`'s (XLA), so training gets this
-    kernel's forward and the previous default's gradients."""
+    Differentiable (without extra_weights): the backward pass is `jax.lax.ragged_dot`'s (XLA; with glu, of the
+    products recomputed), so training gets this kernel's forward and the previous default's gradients."""
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
-               ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("interpret", interpret))
+               ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("glu", glu), ("interpret", interpret))
     weights, several = as_tuple(weights)
+    if glu and len(weights) != 2:
+        raise ValueError(f"glu multiplies by (gate, up): expected two weight arrays, got {len(weights)}")
     if extra_weights is None:
         outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
     else:
         extras, _ = as_tuple(extra_weights)
         outs = _launch(rows, weights, group_sizes, row_groups, extra_weights=extras, **dict(options))
-    return outs if several else outs[0]
+    return outs if several and not glu else outs[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -233,7 +243,12 @@ def _grouped_matmul_fwd(rows, weights, group_sizes, row_groups, options):
 
 def _grouped_matmul_bwd(options, residuals, out_cotangents):
     rows, weights, group_sizes = residuals
-    _, vjp = jax.vjp(lambda r, ws: tuple(lax.ragged_dot(r, w, group_sizes) for w in ws), rows, weights)
+
+    def products(r, ws):
+        outs = tuple(lax.ragged_dot(r, w, group_sizes) for w in ws)
+        return (glu_output(*outs, r.dtype),) if dict(options)["glu"] else outs
+
+    _, vjp = jax.vjp(products, rows, weights)
     return (*vjp(out_cotangents), None, None)
 
 
@@ -241,9 +256,9 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
-            rowwise_max_rows, rows_one_launch, rows_mma, interpret, extra_weights=()):
+            rowwise_max_rows, rows_one_launch, rows_mma, glu, interpret, extra_weights=()):
     """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
-    only) -> a tuple of [M, N] products."""
+    only) -> a tuple of [M, N] products (glu: one array)."""
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights[0].shape
     reason = unsupported_reason(rows.dtype, contract, out_dim)
@@ -262,43 +277,51 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         if num_rows > rowwise_max_rows:
             raise ValueError(f"extra_weights need the rows grid (M <= rowwise_max_rows={rowwise_max_rows}), got "
                              f"M={num_rows}")
+    rows_grid = num_rows <= rowwise_max_rows
     block_k = _block(contract, block_k)
-    defaults = default_tiles(num_rows, rows.dtype, contract // block_k)
+    defaults = default_tiles(num_rows, rows.dtype, contract // block_k, rows_one_launch and len(weights) > 1,
+                             rows_mma)
     block_m = block_m or defaults["block_m"]
     block_n = _block(out_dim, block_n or defaults["block_n"])
     split_k = defaults["split_k"] if split_k is None else split_k
     rows_mma = defaults["rows_mma"] if rows_mma is None else rows_mma
+    num_warps = num_warps or defaults["num_warps"]
     if split_k < 1 or (contract // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide the {contract // block_k} blocks of {block_k} that K="
                          f"{contract} makes")
+    # The activation inside the kernel where one program holds both products and K is whole.
+    glu_in_kernel = glu and split_k == 1 and (rows_one_launch or not rows_grid)
     weights = tuple(w.astype(rows.dtype) for w in weights)
     extra_weights = tuple(x.astype(rows.dtype) for x in extra_weights)
-    if num_rows > rowwise_max_rows:
+    if not rows_grid:
         num_stages = tiles_pipeline_stages(num_stages, block_m, block_k, block_n, len(weights), rows.dtype)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # Partial products of the K splits stay float32 until summed: out [split_k, rows (+ padding), N] per weight.
-    if num_rows <= rowwise_max_rows:
+    if rows_grid:
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
-                                 params=params, one_launch=rows_one_launch, mma=rows_mma, interpret=interpret,
-                                 extra_weights=extra_weights)
+                                 params=params, one_launch=rows_one_launch, mma=rows_mma, glu=glu_in_kernel,
+                                 interpret=interpret, extra_weights=extra_weights)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
         padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
-                                   k_blocks=contract // block_k // split_k, precise=rows.dtype == jnp.float32,
-                                   interpret=interpret)
+                                   k_blocks=contract // block_k // split_k, num_weights=len(weights),
+                                   glu=glu_in_kernel, precise=rows.dtype == jnp.float32, interpret=interpret)
         out_shape = jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), _partial_dtype(rows.dtype, split_k))
         outs = pl.pallas_call(
             kernel,
-            out_shape=(out_shape,) * len(weights),
+            out_shape=(out_shape,) * (1 if glu_in_kernel else len(weights)),
             grid=(group.shape[0], out_dim // block_n, split_k),
             compiler_params=params,
             interpret=interpret,
             name="grouped_matmul_tiles",
         )(group, start, end, padded, *weights)
         outs = tuple(out[:, :num_rows] for out in outs)
-    return tuple(out[0] if split_k == 1 else out.sum(axis=0).astype(rows.dtype) for out in outs)
+    sums = tuple(out[0] if split_k == 1 else out.sum(axis=0) for out in outs)  # float32 where K was split
+    if glu and not glu_in_kernel:
+        return (glu_output(*sums, rows.dtype),)
+    return tuple(out.astype(rows.dtype) for out in sums)
 
 
 def _partial_dtype(rows_dtype, split_k: int):
@@ -307,20 +330,20 @@ def _partial_dtype(rows_dtype, split_k: int):
 
 
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
-                      mma=False, extra_weights=()):
+                      mma=False, glu=False, extra_weights=()):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
-    rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (slower alone,
-    see `grouped_matmul`). extra_weights: () or one [X, K, N] array per weight array, for rows of groups E...E+X-1."""
+    rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (glu, one_launch
+    and split_k 1 only: one silu_glu output instead). extra_weights: () or one [X, K, N] array per weight array, for
+    rows of groups E...E+X-1."""
     num_rows, contract = rows.shape
     num_groups, _, out_dim = weights[0].shape
     per_launch = len(weights) if one_launch else 1
     out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), _partial_dtype(rows.dtype, split_k))
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
-                          split_k=split_k, num_weights=per_launch, num_groups=num_groups, mma=mma,
-                          interpret=interpret),
-        out_shape=(out_shape,) * per_launch,
-        grid=(num_rows, out_dim // block_n, split_k * per_launch), compiler_params=params, interpret=interpret,
+                          num_weights=per_launch, num_groups=num_groups, mma=mma, glu=glu, interpret=interpret),
+        out_shape=(out_shape,) * (1 if glu else per_launch),
+        grid=(num_rows, out_dim // block_n, split_k), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
     groups = row_groups.astype(jnp.int32)
     if one_launch:
@@ -357,11 +380,15 @@ def tiles_pipeline_stages(requested: int, block_m: int, block_k: int, block_n: i
     return max(1, min(requested, SHARED_MEMORY_BYTES // stage_bytes))
 
 
-def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_programs: int = 256) -> int:
+def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_programs: int = 256,
+                  itemsize: int = 2) -> int:
     """The fewest K splits (a divisor of K's blocks) that give a single-tile product at least `min_programs`
-    programs (about two per H200 SM), or all of K's blocks."""
+    programs (about two per H200 SM), or all of K's blocks; K whole (one kernel, no partial sums to add) where a
+    program's unsplit [K, block_n] slice is at most UNSPLIT_MAX_BYTES (KDA's f_b / g_b: K = 128)."""
     k_blocks = contract // block_k
     col_blocks = out_dim // block_n
+    if contract * block_n * itemsize <= UNSPLIT_MAX_BYTES:
+        return 1
     return next(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and (col_blocks * d >= min_programs
                                                                              or d == k_blocks))
 
@@ -372,8 +399,9 @@ def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 6
     once): the `tiles` grid with one group, K split (dense_split_k, for at least `min_programs` programs) so that a
     decode step's projection keeps the whole GPU reading. `kernel` may also be a tuple of [K, N] kernels (projections
     of the same rows, e.g. q / k / v): one launch multiplies by all of them (each program one column block of each)
-    and a tuple of products is returned. grid="rows": the vector-matrix `rows` grid instead (fp32 FMAs, no 16-row
-    tile; an experiment timed by benchmarks/grouped_matmul.py --sweep)."""
+    and a tuple of products is returned. grid="rows": the vector-matrix `rows` grid instead (its default product:
+    bf16 rows on the tensor cores), every kernel in one launch (rows_one_launch): the rows need no padding to a
+    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection)."""
     if grid not in ("tiles", "rows"):
         raise ValueError(f"grid={grid!r}: expected 'tiles' or 'rows'")
     kernels, several = as_tuple(kernel)
@@ -382,8 +410,9 @@ def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 6
     num_rows, contract = rows.shape
     out_dim = kernels[0].shape[1]
     block_k, block_n = _block(contract, block_k), _block(out_dim, block_n)
-    split_k = dense_split_k(contract, out_dim, block_k, block_n, min_programs)
+    split_k = dense_split_k(contract, out_dim, block_k, block_n, min_programs, rows.dtype.itemsize)
     outs = grouped_matmul(rows, tuple(k[None] for k in kernels), jnp.full((1,), num_rows, jnp.int32),
                           jnp.zeros((num_rows,), jnp.int32), block_m=16, block_n=block_n, block_k=block_k,
-                          split_k=split_k, rowwise_max_rows=num_rows if grid == "rows" else 0, interpret=interpret)
+                          split_k=split_k, rowwise_max_rows=num_rows if grid == "rows" else 0,
+                          rows_one_launch=grid == "rows", interpret=interpret)
     return outs if several else outs[0]
