@@ -22,7 +22,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
   decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
            on the same params, e.g. decode_graph_scheduling=serialize; keys 'xla_...' are XLA options of the step's
-           compile, e.g. xla_gpu_autotune_level=0): the prefilled prompt's cache repeated over B rows
+           compile, e.g. xla_gpu_autotune_level=0; steps_per_call=N: N steps unrolled in each call of the timed
+           program, one host dispatch for N steps, no tokens crc): the prefilled prompt's cache repeated over B rows
            (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
            single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
            Every output of the step is written in place of its own donated input (cache, tokens, the running
@@ -34,14 +35,19 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
-           meet); `synced` = median of --synced-steps steps each waited for (adds dispatch).
+           meet; steps_per_call=N against the default 1 shows how much of the TPOT is the host's); `synced` = median
+           of --synced-steps steps each waited for (adds dispatch).
            The step also adds up the distinct experts each MoE layer's router chose (captured Router outputs),
            and the roofline uses their mean over the timed steps. (Engine's decode runs all steps in one
            while_loop, which gives neither a per-step time nor a one-step profile; this step is Engine's step_fn
            as a program of its own.)
   profile  --profile-steps decode steps under jax.profiler for every decode setting; the trace's device kernels
            summed by HLO op, and by model component (kda/q_proj, moe/experts, ...) through the compiled HLO's
-           op_name metadata; printed as the top --top ops with their share of the step time.
+           op_name metadata; printed as the top --top ops with their share of the step time, and the time
+           covered by at least one kernel (their union: less than their sum where kernels run side by side; XLA
+           runs no CUDA graphs under the profiler unless XLA_FLAGS has
+           --xla_enable_command_buffers_during_profiling=true), each op's share of it (`shared_time`), and the
+           host's time per step in the step's call and in its CUDA graph launches (`host_event_times`).
 
 Roofline (per decode setting) = decode_bytes_per_step(config, B, context, distinct experts) / copy bandwidth (per
 device: a mesh of N devices is assumed to split the bytes N ways). Prints a table and writes model_decode.json to
@@ -93,7 +99,7 @@ from MaxText.layers.moe import Router  # noqa: E402
 STAGES = ("copy", "init", "prefill", "decode", "profile")
 DECODE_MODULE = "jit_decode_step"  # the XLA module name of the jitted `decode_step`
 SMOKE = dict(config="configs/kimi_linear_tiny.yml", prompt_len=64, prefill_chunk=32, prefill_repeats=1, batches=[1, 2],
-             steps=3, repeats=1, warmup=1, synced_steps=2, profile_steps=2)
+             steps=4, repeats=1, warmup=2, synced_steps=2, profile_steps=2)
 
 
 # ------------------------------------------------------------------------------------------------ bytes per step
@@ -170,9 +176,42 @@ DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Steps", "Launch Stats
 
 class OpTimes(NamedTuple):
     """Device time of one XLA program in a trace, by HLO op."""
-    nanoseconds: dict[str, float]  # HLO op name (the kernel's name when it has no 'hlo_op' stat) -> summed time
+    # HLO op name (the kernel's name when it has no 'hlo_op' stat or ran in a CUDA graph) -> its share of the time
+    # covered by kernels (`shared_time`: a kernel's own time where it runs alone; the serial sum without graphs)
+    nanoseconds: dict[str, float]
     kernels: dict[str, str]  # HLO op name -> the name of a kernel it launched
     source: str  # the plane and lines read
+    summed_ns: float = 0.0  # the kernels' durations summed (more than covered_ns where they ran side by side)
+    covered_ns: float = 0.0  # time covered by at least one of the events (their union)
+
+
+def shared_time(intervals: list[tuple[float, float]]) -> list[float]:
+    """Each (start, end) interval's share of the time the intervals cover: every instant split equally among the
+    intervals running then (a kernel alone gets its whole duration; two side by side half of their overlap each).
+    The shares add up to `covered_time`."""
+    points = sorted([(start, 1, i) for i, (start, _) in enumerate(intervals)]
+                    + [(end, 0, i) for i, (_, end) in enumerate(intervals)])  # at one instant, ends before starts
+    shares, active, last = [0.0] * len(intervals), set(), None
+    for instant, starts, i in points:
+        if active and instant > last:
+            for j in active:
+                shares[j] += (instant - last) / len(active)
+        last = instant
+        if starts:
+            active.add(i)
+        else:
+            active.discard(i)
+    return shares
+
+
+def covered_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def find_xplane(trace_dir: str) -> str:
@@ -200,11 +239,13 @@ def _exclusive(events: list[tuple[float, float]]) -> list[float]:
 def device_op_times(xplane_path: str, module_name: str, accelerator: bool) -> OpTimes:
     """Device time per HLO op of the XLA program `module_name` (e.g. 'jit_decode_step') in a jax.profiler trace.
 
-    Reads the first accelerator plane ('/device:GPU:0'): its kernel lines (the CUDA streams), each kernel keyed by
-    its 'hlo_op' stat (its own name when the stat is absent). Without an accelerator plane (CPU runs): the host
-    plane's XLA thunk events (those with an 'hlo_op' stat), nested events' time taken out of their parents. Events of
-    other programs are skipped where the 'hlo_module' stat names them. `accelerator`: the run used a GPU / TPU, so a
-    trace without its plane (no device tracer, e.g. CUPTI unavailable) is an error, not a host-side breakdown.
+    Reads the first accelerator plane ('/device:GPU:0'): its kernel lines (the CUDA streams), each kernel keyed by its
+    'hlo_op' stat (its own name when the stat is absent, or names a CUDA graph: XLA_FLAGS
+    --xla_enable_command_buffers_during_profiling=true) and timed by its `shared_time`. Without an accelerator plane
+    (CPU runs): the host plane's XLA thunk events (those with an 'hlo_op' stat), nested events' time taken out of their
+    parents. Events of other programs are skipped where the 'hlo_module' stat names them. `accelerator`: the run used a
+    GPU / TPU, so a trace without its plane (no device tracer, e.g. CUPTI unavailable) is an error, not a host-side
+    breakdown.
     """
     from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
     planes = list(ProfileData.from_file(xplane_path).planes)
@@ -226,21 +267,48 @@ def device_op_times(xplane_path: str, module_name: str, accelerator: bool) -> Op
         plane, lines, host = hosts[0], list(hosts[0].lines), True
     nanoseconds: dict[str, float] = defaultdict(float)
     kernels: dict[str, str] = {}
+    keyed, own = [], []  # (op, kernel, start, duration) of every kept event; its own time (host: without children)
     for line in lines:
-        keyed = []
+        events = []
         for event in line.events:
             stats = dict(event.stats)
             module = stats.get("hlo_module")
             if (host and "hlo_op" not in stats) or (module is not None and str(module).split("(")[0] != module_name):
                 continue
-            keyed.append((str(stats.get("hlo_op") or event.name), event.name, event.start_ns, event.duration_ns))
-        durations = _exclusive([(start, duration) for *_, start, duration in keyed]) if host else [
-            duration for *_, duration in keyed]
-        for (op, kernel, _, _), duration in zip(keyed, durations):
-            nanoseconds[op] += duration
-            kernels.setdefault(op, kernel)
+            op = str(stats.get("hlo_op") or event.name)
+            events.append((event.name if op.startswith("command_buffer") else op, event.name, event.start_ns,
+                           event.duration_ns))
+        keyed += events
+        own += _exclusive([(start, duration) for *_, start, duration in events]) if host else [
+            duration for *_, duration in events]
+    intervals = [(start, start + duration) for *_, start, duration in keyed]
+    for (op, kernel, _, _), duration in zip(keyed, own if host else shared_time(intervals)):
+        nanoseconds[op] += duration
+        kernels.setdefault(op, kernel)
     source = f"{plane.name}: {', '.join(sorted({line.name for line in lines}))}"
-    return OpTimes(dict(nanoseconds), kernels, source)
+    return OpTimes(dict(nanoseconds), kernels, source, sum(own), covered_time(intervals))
+
+
+# Host events of a decode step in a trace, by name prefix: the jitted call (JAX's dispatch, XLA's thunks and the CUDA
+# graph launches inside it) and the graph launches alone.
+HOST_EVENTS = {"step_call_ms": f"PjitFunction(jit({DECODE_MODULE.removeprefix('jit_')}))",
+               "graph_launch_ms": "cuGraphLaunch"}
+
+
+def host_event_times(xplane_path: str, steps: int) -> dict[str, float]:
+    """Host milliseconds per step of each HOST_EVENTS entry in a jax.profiler trace: the union of the host plane's
+    events whose names start with its prefix (nested ones count once), over `steps` steps. A CUDA graph's launch is
+    synchronous host work that grows with its kernels (under the profiler also its tracing's)."""
+    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+    intervals = {key: [] for key in HOST_EVENTS}
+    for plane in ProfileData.from_file(xplane_path).planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                for event in line.events:
+                    for key, prefix in HOST_EVENTS.items():
+                        if event.name.startswith(prefix):
+                            intervals[key].append((event.start_ns, event.start_ns + event.duration_ns))
+    return {key: covered_time(spans) * 1e-6 / steps for key, spans in intervals.items()}
 
 
 def hlo_op_names(hlo_text: str) -> dict[str, str]:
@@ -290,8 +358,10 @@ def model_component(op_name: str | None, config) -> str:
 
 def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps: int, step_seconds: float,
                       top: int) -> dict[str, Any]:
-    """Per-step device time by HLO op (the `top` largest) and by model component, in ms and % of `step_seconds`;
-    per component also the number of ops (kernels) per step, the count that fusing would cut."""
+    """Per-step device time by HLO op (the `top` largest) and by model component, in ms and % of `step_seconds`
+    (each op's `shared_time`: they add up to the time covered by kernels); per component also the number of ops
+    (kernels) per step, the count that fusing would cut. In a trace of CUDA graphs an op is a kernel name (all its
+    launches; components then by the names XLA gives its fusions, Pallas kernels under '(no op_name)')."""
     per_step = {op: ns * 1e-9 / steps for op, ns in op_times.nanoseconds.items()}
 
     def op_name(op):  # keyed by HLO op, or by a kernel named after its fusion ('loop_add_fusion_2' for '...fusion.2')
@@ -303,14 +373,15 @@ def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps
         component = model_component(op_name(op), config)
         by_component[component] += seconds
         ops_by_component[component] += 1
-    busy = sum(per_step.values())
+    busy = op_times.summed_ns * 1e-9 / steps
 
     def row(seconds):
         return {"ms": seconds * 1e3, "pct_of_step": 100 * seconds / step_seconds}
 
     return {
         "source": op_times.source, "steps": steps, "step_ms": step_seconds * 1e3, "busy_ms": busy * 1e3,
-        "idle_ms": (step_seconds - busy) * 1e3, "num_ops": len(per_step),
+        "covered_ms": op_times.covered_ns * 1e-6 / steps, "idle_ms": (step_seconds - busy) * 1e3,
+        "num_ops": len(per_step),
         "top_ops": [{"op": op, "kernel": op_times.kernels.get(op), "component": model_component(op_name(op), config),
                      "op_name": op_name(op), **row(seconds)}
                     for op, seconds in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]],
@@ -340,8 +411,10 @@ def memory_note() -> str:
 
 
 def decode_steps_per_setting(args) -> int:
-    """Decode steps one (batch, dispatch) setting takes: each writes one cache position."""
-    return args.warmup + args.repeats * args.steps + args.synced_steps + args.profile_steps
+    """Decode steps one (batch, dispatch) setting takes at most: each writes one cache position (the profile's calls
+    of several steps may trace up to steps_per_call - 1 more than --profile-steps)."""
+    slack = max(variant_steps_per_call(variant) for variant in args.decode_variants) - 1
+    return args.warmup + args.repeats * args.steps + args.synced_steps + args.profile_steps + slack
 
 
 def load_benchmark_config(args, **extra) -> ml_collections.FrozenConfigDict:
@@ -524,10 +597,27 @@ def make_decode_step(model, num_experts: int):
                                         capture_intermediates=_is_router_call)
         routers = flax.traverse_util.flatten_dict(flax.core.unfreeze(variables.get("intermediates", {})))
         by_layer = sorted(routers.items(), key=lambda kv: int(re.search(r"layers_(\d+)", "/".join(kv[0])).group(1)))
-        distinct = [jnp.sum(jnp.zeros((num_experts,), jnp.bool_).at[output[0][1].reshape(-1)].set(True),
-                            dtype=jnp.int32) for _, output in by_layer]  # output: ((weights, expert ids),)
-        distinct = jnp.stack(distinct) if distinct else jnp.zeros((0,), jnp.int32)
+        if by_layer:  # output: ((weights, expert ids),); one comparison for all layers (a per-layer scatter made a
+            # kernel of ~45 us per step on an H200: instrumentation, not model work)
+            ids = jnp.stack([output[0][1].reshape(-1) for _, output in by_layer])  # [n_moe, N*k]
+            used = jnp.any(ids[:, :, None] == jnp.arange(num_experts, dtype=ids.dtype), axis=1)  # [n_moe, E]
+            distinct = jnp.sum(used, axis=1, dtype=jnp.int32)
+        else:
+            distinct = jnp.zeros((0,), jnp.int32)
         return variables["cache"], jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), distinct_sum + distinct
+    return decode_step
+
+
+def unrolled(step, steps_per_call: int):
+    """`step` applied `steps_per_call` times in one program (a Python loop: the steps' kernels in one graph, one host
+    dispatch for all): the same signature and outputs, tokens of the last step."""
+    if steps_per_call == 1:
+        return step
+
+    def decode_step(params, cache, tokens, distinct_sum):  # named as the one step: the profile finds DECODE_MODULE
+        for _ in range(steps_per_call):
+            cache, tokens, distinct_sum = step(params, cache, tokens, distinct_sum)
+        return cache, tokens, distinct_sum
     return decode_step
 
 
@@ -555,6 +645,8 @@ def batch_cache(setup: Setup, prefilled, batch: int, context: int):
 
 
 XLA_OPTION_PREFIX = "xla_"
+# A --decode-variants key of this script, not of the config: decode steps per call of the timed program (`unrolled`).
+STEPS_PER_CALL = "steps_per_call"
 
 
 def variant_overrides(variant: str) -> dict[str, str]:
@@ -567,8 +659,18 @@ def variant_overrides(variant: str) -> dict[str, str]:
 
 
 def variant_config_overrides(variant: str) -> dict[str, str]:
-    """The config overrides of a --decode-variants value (its keys that are not XLA options)."""
-    return {k: v for k, v in variant_overrides(variant).items() if not k.startswith(XLA_OPTION_PREFIX)}
+    """The config overrides of a --decode-variants value (its keys that are neither XLA options nor
+    STEPS_PER_CALL)."""
+    return {k: v for k, v in variant_overrides(variant).items()
+            if not k.startswith(XLA_OPTION_PREFIX) and k != STEPS_PER_CALL}
+
+
+def variant_steps_per_call(variant: str) -> int:
+    """A --decode-variants value's STEPS_PER_CALL (default 1): decode steps per call of the timed program."""
+    value = variant_overrides(variant).get(STEPS_PER_CALL, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"decode variant {variant!r}: {STEPS_PER_CALL}={value!r}, expected an integer >= 1")
+    return int(value)
 
 
 def variant_xla_options(variant: str) -> dict[str, str]:
@@ -608,6 +710,10 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         raise ValueError(f"batch {batch} is not a multiple of the mesh's {multiple} batch shards")
     config = load_benchmark_config(args, moe_grouped_matmul=moe, **variant_config_overrides(variant))
     setting = decode_setting(batch, moe, variant)
+    per_call = variant_steps_per_call(variant)
+    if args.warmup % per_call or args.steps % per_call or args.synced_steps % per_call:
+        raise ValueError(f"{setting}: --warmup {args.warmup}, --steps {args.steps} and --synced-steps "
+                         f"{args.synced_steps} must be multiples of {STEPS_PER_CALL}={per_call}")
     cache = batch_cache(setup, prefilled, batch, args.prompt_len)
     rng = np.random.default_rng(batch)
     tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
@@ -615,7 +721,8 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     counts = jax.device_put(np.zeros((config.mlp_types.count("moe"),), np.int32), replicated)  # distinct_sum
     step, compile_s = setup.compile(
-        make_decode_step(KimiLinearForCausalLM(config), config.num_experts), (setup.params, cache, tokens, counts),
+        unrolled(make_decode_step(KimiLinearForCausalLM(config), config.num_experts), per_call),
+        (setup.params, cache, tokens, counts),
         in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1), replicated),
         out_shardings=(cache_shardings, setup.rows(1), replicated), donate_argnums=(1, 2, 3),
         xla_options={**decode_compiler_options(config), **variant_xla_options(variant)})
@@ -626,26 +733,27 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
             f"steps: CUDA graphs touching them are re-recorded every step)")
 
     warmup_tokens = []  # greedy tokens of the untimed steps: equal across XLA flags / variants of the same program
-    for _ in range(args.warmup):
+    for _ in range(args.warmup // per_call):
         cache, tokens, counts = step(setup.params, cache, tokens, counts)
         warmup_tokens.append(np.asarray(tokens))
-    tokens_crc32 = zlib.crc32(np.stack(warmup_tokens).tobytes()) if warmup_tokens else None
+    # Several steps per call give only every per_call-th token: no tokens crc (the cache's stands).
+    tokens_crc32 = zlib.crc32(np.stack(warmup_tokens).tobytes()) if warmup_tokens and per_call == 1 else None
     cache_crc32 = cache_checksum(cache) if warmup_tokens else None  # every bit of the cache after those steps
     timed_from = np.asarray(counts)
     blocks, issued = [], []
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
         start = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(args.steps // per_call):
             cache, tokens, counts = step(setup.params, cache, tokens, counts)
-        issued.append((time.perf_counter() - start) / args.steps)  # host time to issue a step
+        issued.append((time.perf_counter() - start) / args.steps)  # host time to issue a step (per_call: its share)
         jax.block_until_ready((tokens, counts, cache))
         blocks.append((time.perf_counter() - start) / args.steps)
     per_layer = (np.asarray(counts) - timed_from) / (args.repeats * args.steps)
     synced = []
-    for _ in range(args.synced_steps):
+    for _ in range(args.synced_steps // per_call):
         start = time.perf_counter()
         cache, tokens, counts = jax.block_until_ready(step(setup.params, cache, tokens, counts))
-        synced.append(time.perf_counter() - start)
+        synced.append((time.perf_counter() - start) / per_call)
     tpot = statistics.median(blocks)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
     row = {"batch": batch, "moe": moe, "variant": variant, "moe_impl": moe_implementation(config, setup.mesh),
@@ -676,30 +784,38 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
             f"measured counts")
     if profile and args.profile_steps:
-        row["profile"] = profile_decode(step, setup, cache, tokens, counts, args, config, tpot,
+        row["profile"] = profile_decode(step, setup, cache, tokens, counts, args, config, tpot, per_call,
                                         re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting))  # one trace folder per setting
     return row
 
 
-def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step_seconds: float, tag: str) -> dict:
-    """Traces --profile-steps decode steps and returns the per-op breakdown (or {'error': why} when parsing fails)."""
+def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step_seconds: float, per_call: int,
+                   tag: str) -> dict:
+    """Traces --profile-steps decode steps (rounded up to calls of `per_call` steps) and returns the per-step
+    breakdown (or {'error': why} when parsing fails)."""
+    calls = -(-args.profile_steps // per_call)
     trace_dir = os.path.join(args.trace_dir, tag) if args.trace_dir else tempfile.mkdtemp(prefix="model_decode_")
     try:
         with jax.profiler.trace(trace_dir):
-            for _ in range(args.profile_steps):
+            for _ in range(calls):
                 cache, tokens, counts = step(setup.params, cache, tokens, counts)
             jax.block_until_ready((tokens, counts, cache))
-        op_times = device_op_times(find_xplane(trace_dir), DECODE_MODULE, jax.default_backend() != "cpu")
+        xplane = find_xplane(trace_dir)
+        op_times = device_op_times(xplane, DECODE_MODULE, jax.default_backend() != "cpu")
         if not op_times.nanoseconds:
             raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")
-        breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, args.profile_steps,
+        breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, calls * per_call,
                                       step_seconds, args.top)
-        log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} of "
-            f"{breakdown['step_ms']:.3f} ms per step ({breakdown['source']})")
+        breakdown["host"] = host_event_times(xplane, calls * per_call)
+        log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
+            f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step; host: the step's call "
+            f"{breakdown['host']['step_call_ms']:.3f}, CUDA graph launches {breakdown['host']['graph_launch_ms']:.3f} "
+            f"ms per step ({breakdown['source']})")
         if any(op["op"].startswith("command_buffer") for op in breakdown["top_ops"]):
             breakdown["note"] = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one "
-                                 "op each: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer= for a per-kernel "
-                                 "profile (the TPOT of that run is then without graphs)")
+                                 "op each: rerun with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
+                                 "(the graphs' kernels, side by side) or --xla_gpu_enable_command_buffer= (no graphs; "
+                                 "the TPOT of that run is then without them)")
             log(f"profile {tag}: {breakdown['note']}")
         return breakdown
     except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
@@ -766,7 +882,8 @@ def report(results: dict) -> str:
             crc = (r.get("warmup_tokens_crc32"), r.get("warmup_cache_crc32"))
             first = first_crc.setdefault(r["batch"], crc)
             same = "first" if first is crc else " / ".join(  # vs the batch's first setting
-                "same" if mine == theirs else "DIFFER" for mine, theirs in zip(crc, first))
+                "-" if None in (mine, theirs) else "same" if mine == theirs else "DIFFER"
+                for mine, theirs in zip(crc, first))
             lines.append(f"| {r['batch']} | {setting_label(r)} | {r.get('dense_impl', '-')} | {r['tpot_ms']:.3f} | "
                          f"{r['tokens_per_s']:.1f} | {roof} | {r.get('dispatch_ms', 0):.3f} | "
                          f"{r['synced_step_ms'] or 0:.3f} | {r['distinct_experts_mean']:.1f} "
@@ -789,7 +906,12 @@ def report(results: dict) -> str:
             if "error" in prof:
                 lines.append(f"profile unavailable: {prof['error']}")
                 continue
-            lines.append(f"device busy {prof['busy_ms']:.3f} ms of a {prof['step_ms']:.3f} ms step "
+            host = prof.get("host", {})
+            lines.append(f"host per step (under the profiler): the step's call {host.get('step_call_ms', 0):.3f} ms, "
+                         f"CUDA graph launches {host.get('graph_launch_ms', 0):.3f} ms\n")
+            lines.append(f"device busy {prof['busy_ms']:.3f} ms (kernel time summed; "
+                         f"{prof.get('covered_ms', 0):.3f} ms covered by at least one kernel) of a "
+                         f"{prof['step_ms']:.3f} ms step "
                          f"({prof['num_ops']} ops; {prof['source']})\n")
             if prof.get("note"):
                 lines.append(f"note: {prof['note']}\n")
@@ -826,7 +948,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-variants", nargs="+", default=[""],
                         help="config overrides per decode setting, each 'key=value,...' ('' = none), on the same "
                              "params (e.g. 'fused_projections=true' 'dense_matmul=xla'); keys 'xla_...' are XLA "
-                             "options of the step's compile (e.g. 'xla_gpu_autotune_level=0')")
+                             "options of the step's compile (e.g. 'xla_gpu_autotune_level=0'); 'steps_per_call=N' "
+                             "unrolls N steps in each timed call")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps before timing")
@@ -849,6 +972,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for variant in args.decode_variants:
         try:
             variant_overrides(variant)
+            variant_steps_per_call(variant)
         except ValueError as e:
             parser.error(f"--decode-variants: {e}")
     return args

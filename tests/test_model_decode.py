@@ -90,10 +90,16 @@ def test_profile_helpers_name_ops_by_model_component():
     assert component(names["wrapped_convert.5"]) == "moe/gate"
     # Nested host events: a parent's own time excludes its children (and grandchildren only once).
     assert model_decode._exclusive([(0, 10), (2, 3), (3, 1), (12, 4)]) == [7, 2, 1, 4]
+    # Kernels side by side (a concurrent CUDA graph) cover their union once: [0, 10) and [12, 20).
+    assert model_decode.covered_time([(12, 16), (0, 10), (2, 5), (15, 20), (3, 4)]) == 18
+    # Each kernel's share of that time: alone its own time, side by side an equal part of the overlap.
+    shares = model_decode.shared_time([(0, 10), (5, 15), (15, 16), (20, 22), (20, 22)])
+    assert shares == [7.5, 7.5, 1.0, 1.0, 1.0] and sum(shares) == model_decode.covered_time(
+        [(0, 10), (5, 15), (15, 16), (20, 22)])
 
 
 # A config override and an XLA option of the decode step's compile (accepted, and without effect, on CPU).
-VARIANT = "fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0"
+VARIANT = "fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0,steps_per_call=2"
 
 
 def test_smoke_run_end_to_end_on_cpu(tmp_path):
@@ -122,26 +128,31 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         # Issuing a block of steps ends before waiting for it: the host's share of a step is at most its time.
         assert 0 < row["dispatch_ms"] <= row["tpot_ms"]
         assert row["outputs_in_place"]  # cache, tokens and expert counts all donated and aliased
-        assert isinstance(row["warmup_tokens_crc32"], int) and isinstance(row["warmup_cache_crc32"], int)
+        assert isinstance(row["warmup_cache_crc32"], int)
+        assert isinstance(row["warmup_tokens_crc32"], int) == (row["variant"] != VARIANT)  # steps_per_call=2: none
         # The router's choices, counted inside the step: top-2 of 8 experts for each of 3 MoE layers.
         assert len(row["distinct_experts_per_layer"]) == 3
         assert all(2 <= d <= min(8, 2 * row["batch"]) for d in row["distinct_experts_per_layer"])
         profile = row["profile"]
         assert "error" not in profile and profile["top_ops"], profile
+        assert 0 < profile["covered_ms"] <= profile["busy_ms"] * (1 + 1e-9), profile  # the union, overlaps once
+        # The host's share: the jitted step's calls; no CUDA graphs on CPU.
+        assert profile["host"]["step_call_ms"] > 0 and profile["host"]["graph_launch_ms"] == 0, profile["host"]
         components = {c["component"] for c in profile["components"]}
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
-    # A variant that changes no math (fused_projections; an XLA option of the step's compile) decodes the same
-    # greedy tokens into a bit-identical cache; the batches' caches differ.
+    # A variant that changes no math (fused_projections; an XLA option of the step's compile; two steps per call)
+    # leaves a bit-identical cache after the same warm-up steps; the batches' caches differ. Two steps per call give
+    # no tokens crc (only every second token is seen).
     by_batch = {}
     for row in results["decode"]:
-        by_batch.setdefault(row["batch"], set()).add((row["warmup_tokens_crc32"], row["warmup_cache_crc32"]))
+        by_batch.setdefault(row["batch"], set()).add(row["warmup_cache_crc32"])
     assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
-    assert len({crc for crcs in by_batch.values() for _, crc in crcs}) == 2
+    assert len({crc for crcs in by_batch.values() for crc in crcs}) == 2
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     # per batch, each setting vs its first
-    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (same / same) |") == 2
+    assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (- / same) |") == 2
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
                        "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
@@ -156,6 +167,9 @@ def test_decode_variants_parse_into_config_overrides():
     assert model_decode.variant_config_overrides(VARIANT) == {"fused_projections": "false",
                                                              "decode_graph_scheduling": "serialize"}
     assert model_decode.variant_xla_options(VARIANT) == {"xla_gpu_autotune_level": "0"}
+    assert model_decode.variant_steps_per_call(VARIANT) == 2 and model_decode.variant_steps_per_call("") == 1
+    with pytest.raises(ValueError, match=r"steps_per_call='0', expected an integer >= 1"):
+        model_decode.variant_steps_per_call("steps_per_call=0")
 
 
 def test_malformed_decode_variant_is_refused_before_any_stage(capsys):
