@@ -1,5 +1,5 @@
-"""benchmarks/launch_overhead.py on CPU (Pallas calls through the interpreter): every kind's chain gives x + N and
-the report has the per-kernel numbers."""
+"""benchmarks/launch_overhead.py on CPU (Pallas calls through the interpreter): every kind's chain gives x + N (or
+x + N / B in each of B branches) and the report has the per-kernel numbers."""
 
 import json
 
@@ -19,8 +19,21 @@ def test_each_kind_runs_its_chain_and_reports_per_kernel_times(tmp_path, capsys)
     assert "us/kernel" in capsys.readouterr().out
 
 
+def test_branches_under_a_graph_scheduling_each_add_their_share(tmp_path, capsys):
+    """--branches 2 --graph-scheduling concurrent: two independent chains of 3 kernels (each array + 3; measure checks
+    it), compiled with the CUDA-graph option (accepted and ignored on CPU)."""
+    rows = launch_overhead.main(["--kernels", "6", "--calls", "2", "--kinds", "mixed", "--branches", "2",
+                                 "--graph-scheduling", "concurrent", "--out", str(tmp_path)])
+    assert [(r["kind"], r["branches"], r["scheduling"]) for r in rows] == [("mixed", 2, "concurrent")]
+    assert "6 kernels in 2 branch(es), concurrent" in capsys.readouterr().out
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         launch_overhead.parse_args(["--kernels", "1"])
     with pytest.raises(ValueError, match="kind 'tpu'"):
         launch_overhead.chain("tpu", 4, interpret=True)
+    with pytest.raises(SystemExit):
+        launch_overhead.parse_args(["--kernels", "6", "--branches", "4"])
+    with pytest.raises(ValueError, match="6 kernels in 4 branches"):
+        launch_overhead.chain("xla", 6, interpret=True, branches=4)
