@@ -5,9 +5,10 @@ block of its rows, and empty groups cost nothing.
 
 Two grids, by M:
   rows    (M <= rowwise_max_rows, decode) one program per (row, block of `block_n` columns, K split): the row times
-          its own group's [K / split_k, block_n] columns as a vector-matrix product (no tile schedule, one kernel; a
-          group with several rows is read once per row): bf16 rows on the tensor cores as a 16-row tile with zeros
-          below the row (`rows_mma`: Triton pipelines the weight loads), float32 rows in float32 FMAs.
+          its own group's [K / split_k, block_n] columns as a vector-matrix product (no tile schedule, one kernel per
+          weight array, or one for all with `rows_one_launch`; a group with several rows is read once per row): bf16
+          rows on the tensor cores as a 16-row tile with zeros below the row (`rows_mma`: Triton pipelines the weight
+          loads), float32 rows in float32 FMAs.
   tiles   (above) a tile schedule (plain JAX, `tile_schedule`) cuts every group's rows into tiles of at most
           `block_m` rows; a tile never spans two groups. The grid is (tile, block of `block_n` columns, K split); a
           program loads its group's [block_k, block_n] weight blocks and a block of `block_m` rows from its first one
@@ -16,7 +17,9 @@ Two grids, by M:
           of tiles depends on the data, so the grid has the static bound floor(M / block_m) + min(E, M) tiles (each
           non-empty group adds at most one partial tile); tiles past the last do nothing. A prefill reads each used
           expert once per `block_m` of its rows.
-With split_k > 1 every program covers 1 / split_k of K and writes a float32 partial product; XLA sums them.
+With split_k > 1 every program covers 1 / split_k of K and writes a float32 partial product; XLA sums them. With
+`glu` (an MoE's gate and up arrays) the result is SiLU(gate) * up: computed from a program's float32 accumulators
+where it holds both products and K is whole, else from the summed products.
 
 Default tiles (`default_tiles`) are the fastest of benchmarks/grouped_matmul.py --sweep on an H200 (JAX 0.11.2,
 benchmarks/RESULTS.md) at 8, 64 and 512 rows of Kimi-Linear-48B's experts.
