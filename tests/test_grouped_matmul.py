@@ -245,16 +245,22 @@ def test_glu_is_silu_of_gate_times_up(rowwise_max_rows, rows_one_launch, split_k
         call(rows, (gate,))
 
 
-@pytest.mark.parametrize("implementation", ["gather", "ragged_dot", "pallas"])
-def test_dispatcher_glu_on_every_implementation(implementation, monkeypatch):
-    """The MoE's SwiGLU hidden activation from the dispatcher: glu_output of the gate and up products everywhere."""
+def _dispatcher_problem(implementation, monkeypatch):
+    """An MoE's rows, gate and up arrays, group sizes and row groups for the dispatcher; with 'pallas' the dispatcher
+    resolves to the kernel, run by the interpreter (as it would run on one GPU)."""
     rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
                                              jnp.float32, seed=7)
-    up = gate * -2.0 + 0.3
     if implementation == "pallas":
         monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
         monkeypatch.setattr(pallas_gmm, "grouped_matmul",
                             functools.partial(pallas_gmm.grouped_matmul, interpret=True))
+    return rows, gate, gate * -2.0 + 0.3, sizes, row_groups
+
+
+@pytest.mark.parametrize("implementation", ["gather", "ragged_dot", "pallas"])
+def test_dispatcher_glu_on_every_implementation(implementation, monkeypatch):
+    """The MoE's SwiGLU hidden activation from the dispatcher: glu_output of the gate and up products everywhere."""
+    rows, gate, up, sizes, row_groups = _dispatcher_problem(implementation, monkeypatch)
     with jax.default_matmul_precision("highest"):
         got = gmm.grouped_matmul(rows, (gate, up), sizes, row_groups, implementation=implementation,
                                  precision=jax.lax.Precision.HIGHEST, glu=True)
@@ -267,13 +273,7 @@ def test_dispatcher_glu_on_every_implementation(implementation, monkeypatch):
 def test_dispatcher_takes_a_tuple_of_weights_on_every_implementation(implementation, monkeypatch):
     """The MoE passes its gate and up projections as one tuple: every implementation returns one product per array.
     (pallas: the kernel in interpret mode, as the dispatcher would run it on one GPU.)"""
-    rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
-                                             jnp.float32, seed=7)
-    up = gate * -2.0 + 0.3
-    if implementation == "pallas":
-        monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
-        monkeypatch.setattr(pallas_gmm, "grouped_matmul",
-                            functools.partial(pallas_gmm.grouped_matmul, interpret=True))
+    rows, gate, up, sizes, row_groups = _dispatcher_problem(implementation, monkeypatch)
     with jax.default_matmul_precision("highest"):
         got = gmm.grouped_matmul(rows, (gate, up), sizes, row_groups, implementation=implementation,
                                  precision=jax.lax.Precision.HIGHEST)

@@ -114,6 +114,12 @@ def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return gate * up / (1.0 + jnp.exp(-gate))
 
 
+def check_glu_weights(weights: tuple, glu: bool) -> None:
+    """glu multiplies by (gate, up): an error naming the count of weight arrays otherwise."""
+    if glu and len(weights) != 2:
+        raise ValueError(f"glu multiplies by (gate, up): expected two weight arrays, got {len(weights)}")
+
+
 def glu_output(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
     """silu_glu of two products (any dtype; computed in float32) -> `dtype`."""
     return silu_glu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
@@ -131,8 +137,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     whether it multiplies by every array in one launch. glu: `weights` is (gate, up); returns the one array
     glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products)."""
     weights, several = as_tuple(weights)
-    if glu and len(weights) != 2:
-        raise ValueError(f"glu multiplies by (gate, up): expected two weight arrays, got {len(weights)}")
+    check_glu_weights(weights, glu)
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
                                                                 weights[0].shape[2], rows.shape[0]):

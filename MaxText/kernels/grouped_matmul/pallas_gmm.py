@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, as_tuple, glu_output, silu_glu
+from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, as_tuple, check_glu_weights, glu_output, silu_glu
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
@@ -225,8 +225,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("glu", glu), ("interpret", interpret))
     weights, several = as_tuple(weights)
-    if glu and len(weights) != 2:
-        raise ValueError(f"glu multiplies by (gate, up): expected two weight arrays, got {len(weights)}")
+    check_glu_weights(weights, glu)
     if extra_weights is None:
         outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
     else:
