@@ -137,13 +137,13 @@ def time_impls(label: str, impls: dict, inputs: tuple, wants: list, weight_bytes
 def kernel_profile(fn, args, calls: int = 3, top: int = 6) -> list[tuple[str, float]]:
     """The device kernels of `calls` calls of fn (a per_layer program) under jax.profiler: the `top` HLO ops by
     time, as (op: kernel, microseconds per call)."""
-    from benchmarks.model_decode import device_op_times, find_xplane  # pylint: disable=import-outside-toplevel
+    from benchmarks.model_decode import device_op_times, read_trace  # pylint: disable=import-outside-toplevel
     trace_dir = tempfile.mkdtemp(prefix="grouped_matmul_")
     try:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready([fn(*args) for _ in range(calls)])
-        times = device_op_times(find_xplane(trace_dir), "jit_grouped_layers",
-                                 accelerator=jax.default_backend() != "cpu")
+        times = device_op_times(read_trace(trace_dir), "jit_grouped_layers",
+                                accelerator=jax.default_backend() != "cpu")
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
     ranked = sorted(times.nanoseconds.items(), key=lambda item: -item[1])[:top]

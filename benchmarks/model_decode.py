@@ -214,12 +214,19 @@ def covered_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def find_xplane(trace_dir: str) -> str:
-    """The newest *.xplane.pb that jax.profiler.trace wrote under `trace_dir`."""
+class Trace(NamedTuple):
+    """A jax.profiler trace, read once: its file and its planes."""
+    path: str
+    planes: list
+
+
+def read_trace(trace_dir: str) -> Trace:
+    """The newest *.xplane.pb that jax.profiler.trace wrote under `trace_dir`, parsed."""
+    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: the profiler wrote no trace")
-    return paths[-1]
+    return Trace(paths[-1], list(ProfileData.from_file(paths[-1]).planes))
 
 
 def _exclusive(events: list[tuple[float, float]]) -> list[float]:
@@ -236,7 +243,7 @@ def _exclusive(events: list[tuple[float, float]]) -> list[float]:
     return exclusive
 
 
-def device_op_times(xplane_path: str, module_name: str, accelerator: bool) -> OpTimes:
+def device_op_times(trace: Trace, module_name: str, accelerator: bool) -> OpTimes:
     """Device time per HLO op of the XLA program `module_name` (e.g. 'jit_decode_step') in a jax.profiler trace.
 
     Reads the first accelerator plane ('/device:GPU:0'): its kernel lines (the CUDA streams), each kernel keyed by its
@@ -247,12 +254,11 @@ def device_op_times(xplane_path: str, module_name: str, accelerator: bool) -> Op
     GPU / TPU, so a trace without its plane (no device tracer, e.g. CUPTI unavailable) is an error, not a host-side
     breakdown.
     """
-    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
-    planes = list(ProfileData.from_file(xplane_path).planes)
+    planes = trace.planes
     devices = {p: re.match(r"/device:(GPU|TPU):(\d+)", p.name) for p in planes}
     devices = {p: int(match.group(2)) for p, match in devices.items() if match}
     if accelerator and not devices:
-        raise ValueError(f"the trace {xplane_path} has no accelerator plane (was the device tracer, e.g. CUPTI, "
+        raise ValueError(f"the trace {trace.path} has no accelerator plane (was the device tracer, e.g. CUPTI, "
                          f"unavailable?); planes: {[p.name for p in planes]}")
     if devices:
         plane = min(devices, key=devices.get)
@@ -262,7 +268,7 @@ def device_op_times(xplane_path: str, module_name: str, accelerator: bool) -> Op
     else:
         hosts = [p for p in planes if p.name == "/host:CPU"]
         if not hosts:
-            raise ValueError(f"the trace {xplane_path} has neither an accelerator nor a host CPU plane; planes: "
+            raise ValueError(f"the trace {trace.path} has neither an accelerator nor a host CPU plane; planes: "
                              f"{[p.name for p in planes]}")
         plane, lines, host = hosts[0], list(hosts[0].lines), True
     nanoseconds: dict[str, float] = defaultdict(float)
@@ -295,13 +301,12 @@ HOST_EVENTS = {"step_call_ms": f"PjitFunction(jit({DECODE_MODULE.removeprefix('j
                "graph_launch_ms": "cuGraphLaunch"}
 
 
-def host_event_times(xplane_path: str, steps: int) -> dict[str, float]:
+def host_event_times(trace: Trace, steps: int) -> dict[str, float]:
     """Host milliseconds per step of each HOST_EVENTS entry in a jax.profiler trace: the union of the host plane's
     events whose names start with its prefix (nested ones count once), over `steps` steps. A CUDA graph's launch is
     synchronous host work that grows with its kernels (under the profiler also its tracing's)."""
-    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
     intervals = {key: [] for key in HOST_EVENTS}
-    for plane in ProfileData.from_file(xplane_path).planes:
+    for plane in trace.planes:
         if plane.name.startswith("/host"):
             for line in plane.lines:
                 for event in line.events:
@@ -800,13 +805,13 @@ def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step
             for _ in range(calls):
                 cache, tokens, counts = step(setup.params, cache, tokens, counts)
             jax.block_until_ready((tokens, counts, cache))
-        xplane = find_xplane(trace_dir)
-        op_times = device_op_times(xplane, DECODE_MODULE, jax.default_backend() != "cpu")
+        trace = read_trace(trace_dir)
+        op_times = device_op_times(trace, DECODE_MODULE, jax.default_backend() != "cpu")
         if not op_times.nanoseconds:
             raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")
         breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, calls * per_call,
                                       step_seconds, args.top)
-        breakdown["host"] = host_event_times(xplane, calls * per_call)
+        breakdown["host"] = host_event_times(trace, calls * per_call)
         log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
             f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step; host: the step's call "
             f"{breakdown['host']['step_call_ms']:.3f}, CUDA graph launches {breakdown['host']['graph_launch_ms']:.3f} "
