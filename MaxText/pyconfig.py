@@ -36,6 +36,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "dense_matmul": ("auto", "xla", "pallas"),
     "dense_matmul_grid": ("tiles", "rows"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
+    "mla_kernel": ("auto", "xla", "pallas"),
     "moe_rows_product": ("auto", "tensor_cores", "fma"),
     "decode_graph_scheduling": GRAPH_SCHEDULING_CHOICES,
     "speculative": ("none", "ngram", "draft_model"),

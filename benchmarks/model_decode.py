@@ -180,6 +180,7 @@ class OpTimes(NamedTuple):
     # covered by kernels (`shared_time`: a kernel's own time where it runs alone; the serial sum without graphs)
     nanoseconds: dict[str, float]
     kernels: dict[str, str]  # HLO op name -> the name of a kernel it launched
+    launches: dict[str, int]  # HLO op name -> its kernel events (launches) in the trace
     source: str  # the plane and lines read
     summed_ns: float = 0.0  # the kernels' durations summed (more than covered_ns where they ran side by side)
     covered_ns: float = 0.0  # time covered by at least one of the events (their union)
@@ -272,6 +273,7 @@ def device_op_times(trace: Trace, module_name: str, accelerator: bool) -> OpTime
                              f"{[p.name for p in planes]}")
         plane, lines, host = hosts[0], list(hosts[0].lines), True
     nanoseconds: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     kernels: dict[str, str] = {}
     keyed, own = [], []  # (op, kernel, start, duration) of every kept event; its own time (host: without children)
     for line in lines:
@@ -290,9 +292,10 @@ def device_op_times(trace: Trace, module_name: str, accelerator: bool) -> OpTime
     intervals = [(start, start + duration) for *_, start, duration in keyed]
     for (op, kernel, _, _), duration in zip(keyed, own if host else shared_time(intervals)):
         nanoseconds[op] += duration
+        launches[op] += 1
         kernels.setdefault(op, kernel)
     source = f"{plane.name}: {', '.join(sorted({line.name for line in lines}))}"
-    return OpTimes(dict(nanoseconds), kernels, source, sum(own), covered_time(intervals))
+    return OpTimes(dict(nanoseconds), kernels, dict(launches), source, sum(own), covered_time(intervals))
 
 
 # Host events of a decode step in a trace, by name prefix: the jitted call (JAX's dispatch, XLA's thunks and the CUDA
@@ -364,20 +367,24 @@ def model_component(op_name: str | None, config) -> str:
 def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps: int, step_seconds: float,
                       top: int) -> dict[str, Any]:
     """Per-step device time by HLO op (the `top` largest) and by model component, in ms and % of `step_seconds`
-    (each op's `shared_time`: they add up to the time covered by kernels); per component also the number of ops
-    (kernels) per step, the count that fusing would cut. In a trace of CUDA graphs an op is a kernel name (all its
-    launches; components then by the names XLA gives its fusions, Pallas kernels under '(no op_name)')."""
+    (each op's `shared_time`: they add up to the time covered by kernels); per op and per component also the kernel
+    launches per step, the count that fusing would cut (and per component its number of distinct ops). In a trace
+    of CUDA graphs an op is a kernel name (all its launches; components then by the names XLA gives its fusions,
+    Pallas kernels under '(no op_name)')."""
     per_step = {op: ns * 1e-9 / steps for op, ns in op_times.nanoseconds.items()}
 
     def op_name(op):  # keyed by HLO op, or by a kernel named after its fusion ('loop_add_fusion_2' for '...fusion.2')
         return op_names.get(op) or op_names.get(re.sub(r"_(\d+)$", r".\1", op))
 
+    launches = {op: op_times.launches[op] / steps for op in per_step}
     by_component: dict[str, float] = defaultdict(float)
     ops_by_component: dict[str, int] = defaultdict(int)
+    launches_by_component: dict[str, float] = defaultdict(float)
     for op, seconds in per_step.items():
         component = model_component(op_name(op), config)
         by_component[component] += seconds
         ops_by_component[component] += 1
+        launches_by_component[component] += launches[op]
     busy = op_times.summed_ns * 1e-9 / steps
 
     def row(seconds):
@@ -386,11 +393,12 @@ def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps
     return {
         "source": op_times.source, "steps": steps, "step_ms": step_seconds * 1e3, "busy_ms": busy * 1e3,
         "covered_ms": op_times.covered_ns * 1e-6 / steps, "idle_ms": (step_seconds - busy) * 1e3,
-        "num_ops": len(per_step),
+        "num_ops": len(per_step), "launches_per_step": sum(launches.values()),
         "top_ops": [{"op": op, "kernel": op_times.kernels.get(op), "component": model_component(op_name(op), config),
-                     "op_name": op_name(op), **row(seconds)}
+                     "op_name": op_name(op), "launches_per_step": launches[op], **row(seconds)}
                     for op, seconds in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]],
-        "components": [{"component": name, "ops": ops_by_component[name], **row(seconds)}
+        "components": [{"component": name, "ops": ops_by_component[name],
+                        "launches_per_step": launches_by_component[name], **row(seconds)}
                        for name, seconds in sorted(by_component.items(), key=lambda kv: -kv[1])],
     }
 
@@ -917,15 +925,19 @@ def report(results: dict) -> str:
             lines.append(f"device busy {prof['busy_ms']:.3f} ms (kernel time summed; "
                          f"{prof.get('covered_ms', 0):.3f} ms covered by at least one kernel) of a "
                          f"{prof['step_ms']:.3f} ms step "
-                         f"({prof['num_ops']} ops; {prof['source']})\n")
+                         f"({prof['num_ops']} ops, {prof['launches_per_step']:.0f} kernel launches per step; "
+                         f"{prof['source']})\n")
             if prof.get("note"):
                 lines.append(f"note: {prof['note']}\n")
-            lines.append("| component | ms / step | % of step | ops / step | µs / op |\n|---|---|---|---|---|")
+            lines.append("| component | ms / step | % of step | ops | launches / step | µs / launch |\n"
+                         "|---|---|---|---|---|---|")
             lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} | {c['ops']} | "
-                      f"{c['ms'] * 1e3 / c['ops']:.1f} |" for c in prof["components"]]
-            lines.append("\n| op | component | kernel | ms / step | % of step |\n|---|---|---|---|---|")
+                      f"{c['launches_per_step']:.1f} | {c['ms'] * 1e3 / max(c['launches_per_step'], 1e-9):.1f} |"
+                      for c in prof["components"]]
+            lines.append("\n| op | component | kernel | ms / step | % of step | launches / step |\n"
+                         "|---|---|---|---|---|---|")
             lines += [f"| {o['op']} | {o['component']} | {(o['kernel'] or '')[:60]} | {o['ms']:.3f} | "
-                      f"{o['pct_of_step']:.1f} |" for o in prof["top_ops"]]
+                      f"{o['pct_of_step']:.1f} | {o['launches_per_step']:.1f} |" for o in prof["top_ops"]]
     for stage, error in results["errors"].items():
         lines.append(f"\n**stage {stage} failed**: {error}")
     return "\n".join(lines)

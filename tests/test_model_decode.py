@@ -136,6 +136,12 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         profile = row["profile"]
         assert "error" not in profile and profile["top_ops"], profile
         assert 0 < profile["covered_ms"] <= profile["busy_ms"] * (1 + 1e-9), profile  # the union, overlaps once
+        # Every op launched at least once per call (steps_per_call=2: each unrolled step's ops once in two steps);
+        # the components' launches add up to the step's.
+        least = 0.5 if row["variant"] == VARIANT else 1
+        assert all(op["launches_per_step"] >= least for op in profile["top_ops"]), profile["top_ops"]
+        assert profile["launches_per_step"] == pytest.approx(
+            sum(c["launches_per_step"] for c in profile["components"]))
         # The host's share: the jitted step's calls; no CUDA graphs on CPU.
         assert profile["host"]["step_call_ms"] > 0 and profile["host"]["graph_launch_ms"] == 0, profile["host"]
         components = {c["component"] for c in profile["components"]}
@@ -153,7 +159,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     # per batch, each setting vs its first
     assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (- / same) |") == 2
-    for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops / step | µs / op |",
+    for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops | launches / step | µs / launch |",
                        "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
 

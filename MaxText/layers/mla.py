@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from MaxText.kernels import mla as mla_kernels
+from MaxText.kernels.mla.naive import masked_softmax, visible_keys
 from MaxText.layers.linears import Dense, DenseKernel, matmul_precision
 from MaxText.layers.normalizations import RMSNorm
 
@@ -44,30 +46,18 @@ HEAD_ACTIVATION_AXES = ("batch", "length", "mla_heads", None)  # q and the atten
 LATENT_NORM_EPSILON = 1e-6
 
 
-def _attention_mask(query_positions, key_positions, key_valid, segment_ids=None):
-    """[B, 1, T, S] bool: key s is visible to query t when it is at or before t and is not padding.
+def _attention_mask(query_positions, key_valid, segment_ids=None):
+    """[B, 1, T, S] bool: key s is visible to query t when it is at or before t and is not padding
+    (`mla_kernels.naive.visible_keys`).
 
-    query_positions: [B, T] int32; key_positions: [S] int32; key_valid: [B, S] bool. segment_ids [B, T] (train mode,
-    where the keys are the queries' own tokens, S == T): a key is visible only to queries of its own segment, so
-    documents packed into one row do not see each other.
+    query_positions: [B, T] int32; key_valid: [B, S] bool. segment_ids [B, T] (train mode, where the keys are the
+    queries' own tokens, S == T): a key is visible only to queries of its own segment, so documents packed into one
+    row do not see each other.
     """
-    causal = key_positions[None, None, :] <= query_positions[:, :, None]  # [B, T, S]
-    mask = causal[:, None] & key_valid[:, None, None, :]
+    mask = visible_keys(query_positions, key_valid)[:, None]
     if segment_ids is not None:
         mask &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
     return mask
-
-
-def _masked_softmax(scores, mask, dtype):
-    """Softmax over the last axis in float32 with masked keys at exactly zero weight; result cast to `dtype`.
-
-    A query that sees no key at all (a padding query in a left-padded row) gets zero weights, not NaN.
-    """
-    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    return weights.astype(dtype)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -117,26 +107,25 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             keys, key_valid, start = self._update_cache(latent, new_valid, advance=model_mode != "verify")
         query_positions = start[:, None] + jnp.arange(seq_len, dtype=jnp.int32)  # [B, T]
-        key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)
-        mask = _attention_mask(query_positions, key_positions, key_valid,
-                               decoder_segment_ids if model_mode == "train" else None)  # [B, 1, T, S]
         scale = (nope + rope) ** -0.5
-        keys_c, keys_rot = keys[..., :rank], keys[..., rank:]  # [B, S, R], [B, S, rope]
 
         if model_mode in ("autoregressive", "verify"):
-            # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv).
+            # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv); the attention
+            # over the latent cache runs as `mla_kernel` picks (MaxText/kernels/mla).
             q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision=precision)  # [B, T, H, R]
-            scores = (jnp.einsum("bthr,bsr->bhts", q_latent, keys_c, precision=precision)
-                      + jnp.einsum("bthp,bsp->bhts", q_rope, keys_rot, precision=precision)) * scale
-            weights = _masked_softmax(scores, mask, dtype)  # [B, H, T, S]
-            out_latent = jnp.einsum("bhts,bsr->bthr", weights, keys_c, precision=precision)  # [B, T, H, R]
+            out_latent = mla_kernels.latent_attention(q_latent, q_rope, keys, query_positions, key_valid,
+                                                      scale=scale, implementation=cfg.mla_kernel,
+                                                      precision=precision)  # [B, T, H, R]
             out = jnp.einsum("bthr,rhv->bthv", out_latent, w_uv, precision=precision)  # [B, T, H, v]
         else:
+            mask = _attention_mask(query_positions, key_valid,
+                                   decoder_segment_ids if model_mode == "train" else None)  # [B, 1, T, S]
+            keys_c, keys_rot = keys[..., :rank], keys[..., rank:]  # [B, S, R], [B, S, rope]
             k_nope = jnp.einsum("bsr,rhn->bshn", keys_c, w_uk, precision=precision)  # [B, S, H, nope]
             values = jnp.einsum("bsr,rhv->bshv", keys_c, w_uv, precision=precision)  # [B, S, H, v]
             scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=precision)
                       + jnp.einsum("bthp,bsp->bhts", q_rope, keys_rot, precision=precision)) * scale
-            weights = _masked_softmax(scores, mask, dtype)  # [B, H, T, S]
+            weights = masked_softmax(scores, mask, dtype)  # [B, H, T, S]
             out = jnp.einsum("bhts,bshv->bthv", weights, values, precision=precision)  # [B, T, H, v]
 
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES).reshape(batch, seq_len, num_heads * v_dim)

@@ -1,0 +1,127 @@
+"""MLA decode kernels (MaxText/kernels/mla): the Pallas latent attention (interpret mode) against the plain-JAX
+oracle, its limits, the dispatcher, and the MLA layer wired to it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import pyconfig
+from MaxText.kernels import grouped_matmul, mla as mla_kernels
+from MaxText.kernels.mla import naive, pallas_decode
+
+
+def _problem(batch, tokens, heads, rank, rope, num_keys, dtype, seed=0):
+    """Random queries and cache, some cache positions invalid (left padding, holes), and the last tokens' positions."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q_latent = jax.random.normal(ks[0], (batch, tokens, heads, rank), dtype)
+    q_rope = jax.random.normal(ks[1], (batch, tokens, heads, rope), dtype)
+    keys = jax.random.normal(ks[2], (batch, num_keys, rank + rope), dtype)
+    key_valid = jax.random.bernoulli(ks[3], 0.8, (batch, num_keys)).at[:, :3].set(False)
+    last = jnp.array([num_keys - 1 - 7 * b for b in range(batch)], jnp.int32)  # rows at different positions
+    query_positions = last[:, None] - jnp.arange(tokens - 1, -1, -1, dtype=jnp.int32)[None, :]  # [B, T]
+    return q_latent, q_rope, keys, query_positions, key_valid
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("batch,tokens,heads,num_keys,block_s,runs", [
+    (2, 1, 16, 150, 32, None),  # S not a multiple of the block: the last block read from S - block_s
+    (1, 1, 32, 64, 16, 1),      # one run over every block
+    (3, 3, 2, 100, 16, 3),      # verify-sized T, rows padded from 6 to 16
+    (2, 1, 4, 20, None, 2),     # a cache shorter than 32: block of 16
+])
+def test_pallas_latent_attention_matches_the_oracle(dtype, tol, batch, tokens, heads, num_keys, block_s, runs):
+    args = _problem(batch, tokens, heads, 32, 16, num_keys, dtype)
+    want = naive.latent_attention(*args, scale=0.2, precision=jax.lax.Precision.HIGHEST)
+    got = pallas_decode.latent_attention(*args, scale=0.2, block_s=block_s, runs=runs, interpret=True)
+    assert got.shape == want.shape and got.dtype == dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_pallas_latent_attention_edge_rows():
+    """A row that sees no key gets zeros (as the oracle's softmax); a run past the query's position reads nothing."""
+    q_latent, q_rope, keys, _, key_valid = _problem(2, 1, 16, 32, 16, 96, jnp.float32)
+    key_valid = key_valid.at[0].set(False)  # row 0: no valid key at all
+    query_positions = jnp.array([[50], [20]], jnp.int32)  # row 1: runs of blocks past position 20 never read
+    args = (q_latent, q_rope, keys, query_positions, key_valid)
+    got = pallas_decode.latent_attention(*args, scale=0.2, block_s=16, runs=6, interpret=True)
+    want = naive.latent_attention(*args, scale=0.2, precision=jax.lax.Precision.HIGHEST)
+    assert not np.asarray(got[0]).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    # NaN keys past the query's position change nothing: those blocks are skipped, not read and masked.
+    poisoned = keys.at[1, 32:].set(jnp.nan)
+    again = pallas_decode.latent_attention(q_latent, q_rope, poisoned, query_positions, key_valid, scale=0.2,
+                                           block_s=16, runs=6, interpret=True)
+    np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(got[1]))
+
+
+def test_pallas_latent_attention_limits():
+    assert pallas_decode.unsupported_reason(jnp.bfloat16, 512, 64, 4213) is None
+    assert "kv_lora_rank to be a power of two >= 16, got 96" in pallas_decode.unsupported_reason(jnp.bfloat16, 96,
+                                                                                                   64, 4096)
+    assert "qk_rope_head_dim to be a power of two >= 16, got 8" in pallas_decode.unsupported_reason(jnp.bfloat16,
+                                                                                                      32, 8, 4096)
+    assert "at least 16 positions, got 12" in pallas_decode.unsupported_reason(jnp.float32, 32, 16, 12)
+    assert "float16" in pallas_decode.unsupported_reason(jnp.float16, 32, 16, 64)
+    assert pallas_decode.default_block(4213) == 32 and pallas_decode.default_block(20) == 16
+    assert pallas_decode.default_runs(1, 132) == 66 and pallas_decode.default_runs(64, 132) == 4
+    args = _problem(1, 1, 2, 32, 16, 64, jnp.float32)
+    with pytest.raises(ValueError, match="block_s=48 must be a power of two"):
+        pallas_decode.latent_attention(*args, scale=1.0, block_s=48, interpret=True)
+    with pytest.raises(ValueError, match=r"expected query_positions \[B, T\]"):
+        pallas_decode.latent_attention(*args[:3], args[3][:, :0], args[4], scale=1.0, interpret=True)
+
+
+def test_dispatcher_choices_and_errors(monkeypatch):
+    shapes = (jnp.bfloat16, 512, 64, 4213)
+    assert mla_kernels.resolve("auto", *shapes) == "xla"  # CPU
+    assert mla_kernels.resolve("xla", *shapes) == "xla"
+    with pytest.raises(RuntimeError, match="mla_kernel=pallas was requested, but .*NVIDIA GPU"):
+        mla_kernels.resolve("pallas", *shapes)
+    with pytest.raises(ValueError, match="mla_kernel='flash' is unknown"):
+        mla_kernels.resolve("flash", *shapes)
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)  # as on one GPU
+    assert mla_kernels.resolve("auto", *shapes) == "pallas"
+    assert mla_kernels.resolve("auto", jnp.bfloat16, 512, 8, 4213) == "xla"  # rope 8: the oracle
+    with pytest.raises(RuntimeError, match="qk_rope_head_dim to be a power of two"):
+        mla_kernels.resolve("pallas", jnp.bfloat16, 512, 8, 4213)
+
+
+def test_mla_layer_decodes_through_the_pallas_kernel(monkeypatch):
+    """The MLA layer with mla_kernel=pallas (the kernel run by the interpreter, as if on one GPU) decodes what the
+    XLA path decodes, for a prefill then single-token steps and a 3-token verify."""
+    from MaxText.layers.mla import MultiHeadLatentAttention
+    overrides = ["emb_dim=64", "num_query_heads=4", "kv_lora_rank=32", "qk_nope_head_dim=16", "qk_rope_head_dim=16",
+                 "v_head_dim=16", "max_target_length=40", "dtype=float32", "weight_dtype=float32"]
+    configs = {kernel: pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, overrides + [f"mla_kernel={kernel}"])
+               for kernel in ("xla", "pallas")}
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 12, 64)), jnp.float32)
+    segments = jnp.ones((2, 8), jnp.int32).at[1, :3].set(0)  # row 1 left-padded
+    layer = MultiHeadLatentAttention(configs["xla"])
+    params = layer.init(jax.random.PRNGKey(0), x[:, :8], model_mode="train")["params"]
+    calls, kernel = [], pallas_decode.latent_attention
+
+    def interpreted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return kernel(*args, interpret=True, **kwargs)
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
+    monkeypatch.setattr(pallas_decode, "latent_attention", interpreted)
+
+    def decode(config):
+        mla = MultiHeadLatentAttention(config)
+        _, cache = mla.apply({"params": params}, x[:, :8], model_mode="prefill", decoder_segment_ids=segments,
+                             mutable=["cache"])
+        outs = []
+        for t in range(8, 11):
+            out, cache = mla.apply({"params": params, **cache}, x[:, t:t + 1], model_mode="autoregressive",
+                                   mutable=["cache"])
+            outs.append(out)
+        verified, _ = mla.apply({"params": params, **cache}, x[:, 9:12], model_mode="verify", mutable=["cache"])
+        return jnp.concatenate(outs + [verified], axis=1)
+
+    want = decode(configs["xla"])
+    assert calls == []
+    got = decode(configs["pallas"])
+    assert calls == [(2, 1, 4, 32)] * 3 + [(2, 3, 4, 32)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
