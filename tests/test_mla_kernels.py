@@ -125,3 +125,17 @@ def test_mla_layer_decodes_through_the_pallas_kernel(monkeypatch):
     got = decode(configs["pallas"])
     assert calls == [(2, 1, 4, 32)] * 3 + [(2, 3, 4, 32)]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_combine_reads_only_the_written_runs():
+    """The state arrays' run axis is a power of two (Triton's block shapes): runs past `runs` are never written, and
+    the combine masks them (NaN there changes nothing); the result is the softmax over all runs' keys."""
+    rng = np.random.default_rng(1)
+    run_max = jnp.asarray(rng.normal(size=(2, 4, 16)), jnp.float32).at[:, 3].set(jnp.nan)
+    run_max = run_max.at[1, 1].set(-jnp.inf)  # a run that saw nothing
+    run_sum = jnp.asarray(rng.uniform(1, 2, size=(2, 4, 16)), jnp.float32).at[:, 3].set(jnp.nan).at[1, 1].set(0.0)
+    run_acc = jnp.asarray(rng.normal(size=(2, 4, 16, 256)), jnp.float32).at[:, 3].set(jnp.nan).at[1, 1].set(0.0)
+    got = pallas_decode.combine_runs(run_max, run_sum, run_acc, 3, jnp.float32, interpret=True)
+    weight = jnp.exp(run_max[:, :3] - jnp.max(run_max[:, :3], axis=1, keepdims=True))
+    want = jnp.sum(weight[..., None] * run_acc[:, :3], axis=1) / jnp.sum(weight * run_sum[:, :3], axis=1)[..., None]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -7,12 +7,13 @@ The same math as naive.latent_attention. The cache is cut into runs of `blocks_p
 positions; one program per (batch row, run) holds all T * H query rows (every head reads the same latent
 keys: the cache is read once per row, not once per head), streams its blocks with an online softmax (scores and
 accumulator in float32, the probabilities multiplied by the keys in the inputs' dtype on the tensor cores) and writes
-its running max, sum and accumulator; XLA combines the runs. A run stops at the last query position (later blocks
+its running max, sum and accumulator; a second kernel combines the runs (one program per query row and block of
+128 latent columns). A run stops at the last query position (later blocks
 are never read). The cache length S need not be a multiple of `block_s`: the last block is read from S - block_s
 and its positions before the block's own start are masked.
 
 The XLA version (naive.py) is ~12 kernels per MLA layer at decode (two score products, slices and a pad of the
-cache, masked max / sum reductions, the probabilities' product in split pieces and their sum).
+cache, masked max / sum reductions, the probabilities' product in split pieces and their sum); this is two.
 
 Runs under `interpret=True` on CPU (the tests do).
 """
@@ -106,14 +107,34 @@ def _decode_kernel(qpos_ref, valid_ref, q_ref, q_rope_ref, keys_ref, max_ref, su
     acc_ref[row, run] = acc
 
 
-def combine_runs(run_max, run_sum, run_acc, dtype):
-    """The runs' online-softmax states [B, runs, M] (max, sum) and [B, runs, M, R] -> [B, M, R] in `dtype`; a row
-    that saw no key is zero."""
-    best = jnp.max(run_max, axis=1, keepdims=True)  # [B, 1, M]
-    weight = jnp.exp(run_max - jnp.where(best == -jnp.inf, 0.0, best))  # [B, runs, M]; zero for empty runs
-    total = jnp.sum(weight * run_sum, axis=1)  # [B, M]
-    out = jnp.sum(weight[..., None] * run_acc, axis=1)  # [B, M, R]
-    return (out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]).astype(dtype)
+def _combine_kernel(max_ref, sum_ref, acc_ref, out_ref, *, runs, stored_runs, block_r):
+    """One program per (batch row, query row, block of R columns): the runs' states -> softmax(scores) c."""
+    row, query, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    written = jnp.arange(stored_runs) < runs  # the state arrays have a power-of-two run axis; the rest is unwritten
+    run_max = pltriton.load(max_ref.at[row, :, query], mask=written, other=-jnp.inf)  # [RUNS]
+    run_sum = pltriton.load(sum_ref.at[row, :, query], mask=written, other=0.0)
+    cols = pl.ds(col_block * block_r, block_r)
+    run_acc = pltriton.load(acc_ref.at[row, :, query, cols], mask=written[:, None], other=0.0)  # [RUNS, BR]
+    best = jnp.max(run_max)
+    weight = jnp.exp(run_max - jnp.where(best == -jnp.inf, 0.0, best))  # zero for runs that saw nothing
+    total = jnp.maximum(jnp.sum(weight * run_sum), jnp.finfo(jnp.float32).tiny)  # a row that saw nothing: zeros
+    out_ref[row, query, cols] = (jnp.sum(weight[:, None] * run_acc, axis=0) / total).astype(out_ref.dtype)
+
+
+def combine_runs(run_max, run_sum, run_acc, runs: int, dtype, *, block_r: int = 128, num_warps: int = 4,
+                 interpret: bool = False):
+    """The first `runs` of the runs' online-softmax states [B, RUNS, M] (max, sum) and [B, RUNS, M, R] -> [B, M, R]
+    in `dtype`, one Pallas launch; a row that saw no key is zero."""
+    batch, stored_runs, num_rows, rank = run_acc.shape
+    block_r = min(block_r, rank)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, runs=runs, stored_runs=stored_runs, block_r=block_r),
+        out_shape=jax.ShapeDtypeStruct((batch, num_rows, rank), dtype),
+        grid=(batch, num_rows, rank // block_r),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="mla_latent_combine",
+    )(run_max, run_sum, run_acc)
 
 
 def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scale: float, block_s: int | None = None,
@@ -151,14 +172,15 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     kernel = functools.partial(_decode_kernel, rank=rank, rope=rope, block_s=block_s, blocks_per_run=blocks_per_run,
                                num_keys=num_keys, scale=scale, precise=q_latent.dtype == jnp.float32,
                                interpret=interpret)
-    state = jax.ShapeDtypeStruct((batch, runs, padded), jnp.float32)
+    stored_runs = 1 << (runs - 1).bit_length()  # a power of two (Triton's block shapes) for the combine's loads
+    state = jax.ShapeDtypeStruct((batch, stored_runs, padded), jnp.float32)
     run_max, run_sum, run_acc = pl.pallas_call(
         kernel,
-        out_shape=(state, state, jax.ShapeDtypeStruct((batch, runs, padded, rank), jnp.float32)),
+        out_shape=(state, state, jax.ShapeDtypeStruct((batch, stored_runs, padded, rank), jnp.float32)),
         grid=(batch, runs),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_latent_decode",
     )(qpos, key_valid.astype(jnp.int8), q, qr, keys.astype(q_latent.dtype))
-    out = combine_runs(run_max, run_sum, run_acc, q_latent.dtype)[:, :num_rows]  # [B, T*H, R]
+    out = combine_runs(run_max, run_sum, run_acc, runs, q_latent.dtype, interpret=interpret)[:, :num_rows]
     return out.reshape(batch, num_tokens, num_heads, rank)
