@@ -396,16 +396,14 @@ def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_p
 
 
 def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 64, min_programs: int = 256,
-                 grid: str = "tiles", unsplit_max_bytes: int = 0, interpret: bool = False):
+                 grid: str = "tiles", interpret: bool = False):
     """rows [M, K] x kernel [K, N] -> [M, N] in rows' dtype, for few rows (M <= 16: one tile, each weight read
     once): the `tiles` grid with one group, K split (dense_split_k, for at least `min_programs` programs) so that a
     decode step's projection keeps the whole GPU reading. `kernel` may also be a tuple of [K, N] kernels (projections
     of the same rows, e.g. q / k / v): one launch multiplies by all of them (each program one column block of each)
     and a tuple of products is returned. grid="rows": the vector-matrix `rows` grid instead (its default product:
     bf16 rows on the tensor cores), every kernel in one launch (rows_one_launch): the rows need no padding to a
-    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection). unsplit_max_bytes: a kernel of
-    at most this many bytes that dense_split_k would split keeps K whole in column blocks of 16 instead (few
-    programs, but no partial-sum kernel after a product of ~1 us; config key `dense_unsplit_max_bytes`)."""
+    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection)."""
     if grid not in ("tiles", "rows"):
         raise ValueError(f"grid={grid!r}: expected 'tiles' or 'rows'")
     kernels, several = as_tuple(kernel)
@@ -415,8 +413,6 @@ def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 6
     out_dim = kernels[0].shape[1]
     block_k, block_n = _block(contract, block_k), _block(out_dim, block_n)
     split_k = dense_split_k(contract, out_dim, block_k, block_n, min_programs, rows.dtype.itemsize)
-    if split_k > 1 and contract * out_dim * rows.dtype.itemsize <= unsplit_max_bytes:
-        block_n, split_k = _block(out_dim, BLOCK_CHOICES[-1]), 1
     outs = grouped_matmul(rows, tuple(k[None] for k in kernels), jnp.full((1,), num_rows, jnp.int32),
                           jnp.zeros((num_rows,), jnp.int32), block_m=16, block_n=block_n, block_k=block_k,
                           split_k=split_k, rowwise_max_rows=num_rows if grid == "rows" else 0,
