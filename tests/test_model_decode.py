@@ -159,8 +159,9 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     # per batch, each setting vs its first
     assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (- / same) |") == 2
-    for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |", "| ops | launches / step | µs / launch |",
-                       "### Profile, batch 2, moe auto (gather)", f"| 2 | auto (gather), {VARIANT} |"):
+    for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |",
+                       "| ops | launches / step | µs / launch |", "### Profile, batch 2, moe auto (gather)",
+                       f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
 
 

@@ -11,7 +11,8 @@ Modes (the conventions' `model_mode`):
   prefill         writes the new tokens' latents at the cache's write index, then attends (expanded, as above) over
                   every cached position up to each query: several prefill calls continue each other.
   autoregressive  the same cache write, then attention in the latent space: W_kv_b's key half is absorbed into q
-                  and its value half into the output, so only the cached (c, k_rot) are read.
+                  and its value half into the output, so only the cached (c, k_rot) are read (XLA's einsums or a
+                  Pallas flash-decoding kernel, as `mla_kernel` picks: MaxText/kernels/mla).
   verify          (speculative decoding) like autoregressive for T draft tokens, but the write index does not move:
                   `commit_verified(layer_cache, accepted_len)` then advances each row by its accepted count and
                   invalidates the rejected drafts' positions.

@@ -32,9 +32,11 @@ from MaxText.kernels.pallas_dot import dot
 
 MMA_ROWS = 16  # the tensor cores' least tile height: the query rows are padded up to it
 # Tiles measured on an H200 (JAX 0.11.2; 48B shapes: H 32, R 512, P 64, S 4213 at position 4096; bf16; a jitted
-# chain of 20 calls, combine included: benchmarks/mla_decode.py --sweep, benchmarks/RESULTS.md): blocks
-# of 32 positions, 4 warps, 3 stages; runs for about TARGET_PROGRAMS programs but at least MIN_BLOCKS_PER_RUN blocks
-# each: B=1 66 runs 13.7 us (XLA 19.2), B=8 32 runs 31.3 (16 runs 27.7; XLA 39.8), B=64 4 runs 118 (XLA 196).
+# chain of 20 calls, the combine included, as benchmarks/mla_decode.py --sweep times them; benchmarks/RESULTS.md,
+# thirteenth session): blocks of 32 positions, 4 warps, 3 stages; runs for about TARGET_PROGRAMS programs but at
+# least MIN_BLOCKS_PER_RUN blocks each (B=1: 66 runs 13.7 us vs 16.0 with 33 and 22.1 with 16; B=64: 4 runs 118 us
+# vs 146 with 2). With these defaults vs XLA (benchmarks/mla_decode.py): B=1 11.1 vs 17.0 us, B=8 30.8 vs 39.8,
+# B=64 122 vs 197.
 BLOCK_S = 32
 NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 256
