@@ -22,8 +22,8 @@ def interpreted_dense_matmul(monkeypatch):
     from MaxText.kernels.grouped_matmul import pallas_gmm
     calls, kernel_fn = [], pallas_gmm.dense_matmul
 
-    def interpreted(rows, kernels, grid):
+    def interpreted(rows, kernels, **options):
         calls.append(len(kernels))
-        return kernel_fn(rows, kernels, grid=grid, interpret=True)
+        return kernel_fn(rows, kernels, interpret=True, **options)
     monkeypatch.setattr(pallas_gmm, "dense_matmul", interpreted)
     return calls

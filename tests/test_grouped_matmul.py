@@ -199,14 +199,14 @@ def test_pallas_several_weights_in_one_kernel_match_separate_products(rowwise_ma
         pallas_gmm.grouped_matmul(rows, (gate, up[:, :, :16]), sizes, row_groups, interpret=True)
 
 
-def _pallas_outputs(fn, *args) -> list[int]:
-    """The number of outputs of each pallas_call in fn's jaxpr (nested ones, e.g. under a custom VJP, included)."""
-    counts = []
+def _pallas_output_shapes(fn, *args) -> list[list[tuple]]:
+    """The output shapes of each pallas_call in fn's jaxpr (nested ones, e.g. under a custom VJP, included)."""
+    calls = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                counts.append(len(eqn.outvars))
+                calls.append([tuple(v.aval.shape) for v in eqn.outvars])
                 continue
             for value in eqn.params.values():
                 inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr, or a Jaxpr
@@ -214,7 +214,12 @@ def _pallas_outputs(fn, *args) -> list[int]:
                     walk(inner)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return counts
+    return calls
+
+
+def _pallas_outputs(fn, *args) -> list[int]:
+    """The number of outputs of each pallas_call in fn's jaxpr."""
+    return [len(shapes) for shapes in _pallas_output_shapes(fn, *args)]
 
 
 @pytest.mark.parametrize("rowwise_max_rows,rows_one_launch,split_k,in_kernel", [
@@ -364,6 +369,22 @@ def test_pallas_dense_matmul_interpret_matches_dot(num_rows, grid):
         pallas_gmm.dense_matmul(x, kernel, grid="cols", interpret=True)
 
 
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 20])
+def test_tiles_grid_reads_few_rows_unpadded_with_masks(num_rows):
+    """pad_rows=False: one group of fewer than 16 rows is read and written with masks, no pad before the launch (and
+    an unpadded [K splits, M, N] output); 16 rows and more pad as before. The same products."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(num_rows, 256)), jnp.bfloat16)
+    kernels = tuple(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16) for _ in range(2))
+    padded = functools.partial(pallas_gmm.dense_matmul, interpret=True)
+    masked = functools.partial(pallas_gmm.dense_matmul, pad_rows=False, interpret=True)
+    for want, got in zip(padded(x, kernels), masked(x, kernels)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    unpadded = num_rows < 16
+    assert ("pad" in str(jax.make_jaxpr(masked)(x, kernels))) != unpadded
+    assert _pallas_output_shapes(masked, x, kernels) == [[(4, num_rows + (0 if unpadded else 16), 128)] * 2]
+
+
 @pytest.mark.parametrize("grid", ["tiles", "rows"])
 def test_pallas_dense_matmul_of_several_kernels_in_one_launch(grid):
     """A tuple of same-shape kernels (q / k / v of one input): one launch, each product as alone; shapes must match.
@@ -383,18 +404,20 @@ def test_pallas_dense_matmul_of_several_kernels_in_one_launch(grid):
 
 
 def test_dense_matmul_grid_reaches_the_kernel(monkeypatch):
-    """The config key dense_matmul_grid picks the Pallas dense kernel's grid for every projection (`project`)."""
+    """The config keys dense_matmul_grid and dense_pad_rows reach the Pallas dense kernel for every projection
+    (`project`)."""
     from MaxText import pyconfig
     from MaxText.layers.linears import project
     seen = []
     monkeypatch.setattr(gmm, "resolve_dense", lambda *a: "pallas")  # as at batch-1 decode on one GPU
-    monkeypatch.setattr(pallas_gmm, "dense_matmul",
-                        lambda x, kernels, grid: seen.append(grid) or tuple(x @ k for k in kernels))
+    monkeypatch.setattr(pallas_gmm, "dense_matmul", lambda x, kernels, grid, pad_rows: seen.append(
+        (grid, pad_rows)) or tuple(x @ k for k in kernels))
     x = jnp.ones((1, 1, 32), jnp.float32)
-    for grid in ("tiles", "rows"):
-        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": grid})
+    for grid, pad_rows in (("tiles", False), ("rows", True)):
+        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": grid,
+                                                                  "dense_pad_rows": pad_rows})
         assert project(config, x, jnp.ones((32, 8), jnp.float32)).shape == (1, 1, 8)
-    assert seen == ["tiles", "rows"]
+    assert seen == [("tiles", False), ("rows", True)]
     assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).dense_matmul_grid == "tiles"  # the default
     with pytest.raises(ValueError, match="dense_matmul_grid"):
         pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": "cols"})
@@ -422,9 +445,9 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16"])
     calls, kernel_fn = [], pallas_gmm.dense_matmul
 
-    def interpreted(rows, kernel, grid):
+    def interpreted(rows, kernel, **options):
         calls.append(rows.shape)
-        return kernel_fn(rows, kernel, grid=grid, interpret=True)
+        return kernel_fn(rows, kernel, interpret=True, **options)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 1, 256)), jnp.bfloat16)
     layer = Dense(config, 128)
     params = layer.init(jax.random.key(0), x)

@@ -63,7 +63,8 @@ class Dense(nn.Module):
 def project(config: ml_collections.FrozenConfigDict, x: jax.Array, kernel):
     """x (cast to config.dtype) @ kernel, or a tuple of products for a tuple of kernels, by config.dense_matmul."""
     return dense_matmul(x.astype(config.dtype), kernel, implementation=config.dense_matmul,
-                        precision=matmul_precision(config), grid=config.dense_matmul_grid)
+                        precision=matmul_precision(config), grid=config.dense_matmul_grid,
+                        pad_rows=config.dense_pad_rows)
 
 
 def project_together(config: ml_collections.FrozenConfigDict, x: jax.Array, kernels) -> tuple[jax.Array, ...]:

@@ -196,19 +196,22 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
                                "xla", "auto or xla")
 
 
-def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precision=None, grid: str = "tiles"):
+def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precision=None, grid: str = "tiles",
+                 pad_rows: bool = True):
     """x [..., K] @ kernel [K, N] -> [..., N] in x's dtype. xla: jnp.dot (with `precision`). pallas: the grouped
     matmul's tiles grid with one group and K split over programs (pallas_gmm.dense_matmul): XLA's M = 1
     products read an H200's memory at ~0.6 TB/s in a Kimi-Linear-48B decode step (benchmarks/RESULTS.md).
     `kernel` may be a tuple of same-shape [K, N] kernels: returns the tuple of products (pallas: one launch).
-    grid: the Pallas kernel's grid (pallas_gmm.dense_matmul; config key `dense_matmul_grid`)."""
+    grid, pad_rows: the Pallas kernel's grid and whether its tiles grid pads the rows to a 16-row block
+    (pallas_gmm.dense_matmul; config keys `dense_matmul_grid`, `dense_pad_rows`)."""
     kernels, several = as_tuple(kernel)
     rows = math.prod(x.shape[:-1])
     if resolve_dense(implementation, x.dtype, x.shape[-1], kernels[0].shape[-1], rows) == "xla":
         outs = tuple(jnp.dot(x, k, precision=precision) for k in kernels)
     else:
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
-        outs = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernels, grid=grid)  # [M, N] each
+        outs = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernels, grid=grid,
+                                       pad_rows=pad_rows)  # [M, N] each
         outs = tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
     return outs if several else outs[0]
 

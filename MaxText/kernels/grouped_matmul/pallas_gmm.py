@@ -122,7 +122,7 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, num_weights,
-                glu, precise, interpret):
+                glu, precise, masked_rows, interpret):
     w_refs, out_refs = refs[:num_weights], refs[num_weights:]  # one output per weight array (glu: one)
     # split: this program's K blocks are [split * k_blocks, (split + 1) * k_blocks)
     tile, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -136,7 +136,10 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
 
         def body(kb, accs):
             ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
-            x = rows_ref[row_block, ks]  # [BM, BK]; rows past the group are computed and not stored
+            if masked_rows:  # unpadded rows: the block's rows past the group are not read (zeros)
+                x = pltriton.load(rows_ref.at[row_block, ks], mask=owned[:, None], other=0)  # [BM, BK]
+            else:  # padded rows: rows past the group are computed and not stored
+                x = rows_ref[row_block, ks]  # [BM, BK]
             return tuple(acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
                          for acc, w_ref in zip(accs, w_refs))
 
@@ -193,7 +196,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
-                   rows_mma: bool | None = None, glu: bool = False, extra_weights=None, interpret: bool = False):
+                   rows_mma: bool | None = None, glu: bool = False, pad_rows: bool = True, extra_weights=None,
+                   interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -223,7 +227,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     products recomputed), so training gets this kernel's forward and the previous default's gradients."""
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
-               ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("glu", glu), ("interpret", interpret))
+               ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("glu", glu), ("pad_rows", pad_rows),
+               ("interpret", interpret))
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
     if extra_weights is None:
@@ -258,7 +263,7 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
-            rowwise_max_rows, rows_one_launch, rows_mma, glu, interpret, extra_weights=()):
+            rowwise_max_rows, rows_one_launch, rows_mma, glu, pad_rows, interpret, extra_weights=()):
     """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
     only) -> a tuple of [M, N] products (glu: one array)."""
     num_rows, contract = rows.shape
@@ -305,12 +310,17 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
                                  interpret=interpret, extra_weights=extra_weights)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
-        # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers.
-        padded = jnp.pad(rows, ((0, block_m), (0, 0)))  # [M + BM, K]
+        # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers,
+        # or (one group of fewer than block_m rows, without pad_rows: its one tile starts at row 0) read and write
+        # the block with masks, with no pad kernel before the launch.
+        masked_rows = not pad_rows and num_groups == 1 and num_rows < block_m
+        extra_rows = 0 if masked_rows else block_m
+        padded = rows if masked_rows else jnp.pad(rows, ((0, block_m), (0, 0)))  # [M (+ BM), K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
                                    k_blocks=contract // block_k // split_k, num_weights=len(weights),
-                                   glu=glu_in_kernel, precise=rows.dtype == jnp.float32, interpret=interpret)
-        out_shape = jax.ShapeDtypeStruct((split_k, num_rows + block_m, out_dim), _partial_dtype(rows.dtype, split_k))
+                                   glu=glu_in_kernel, precise=rows.dtype == jnp.float32, masked_rows=masked_rows,
+                                   interpret=interpret)
+        out_shape = jax.ShapeDtypeStruct((split_k, num_rows + extra_rows, out_dim), _partial_dtype(rows.dtype, split_k))
         outs = pl.pallas_call(
             kernel,
             out_shape=(out_shape,) * (1 if glu_in_kernel else len(weights)),
@@ -396,14 +406,15 @@ def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_p
 
 
 def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 64, min_programs: int = 256,
-                 grid: str = "tiles", interpret: bool = False):
+                 grid: str = "tiles", pad_rows: bool = True, interpret: bool = False):
     """rows [M, K] x kernel [K, N] -> [M, N] in rows' dtype, for few rows (M <= 16: one tile, each weight read
     once): the `tiles` grid with one group, K split (dense_split_k, for at least `min_programs` programs) so that a
     decode step's projection keeps the whole GPU reading. `kernel` may also be a tuple of [K, N] kernels (projections
     of the same rows, e.g. q / k / v): one launch multiplies by all of them (each program one column block of each)
     and a tuple of products is returned. grid="rows": the vector-matrix `rows` grid instead (its default product:
     bf16 rows on the tensor cores), every kernel in one launch (rows_one_launch): the rows need no padding to a
-    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection)."""
+    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection). pad_rows=False: the `tiles`
+    grid reads fewer than 16 rows with masked loads instead of padding them (config key `dense_pad_rows`)."""
     if grid not in ("tiles", "rows"):
         raise ValueError(f"grid={grid!r}: expected 'tiles' or 'rows'")
     kernels, several = as_tuple(kernel)
@@ -416,5 +427,5 @@ def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 6
     outs = grouped_matmul(rows, tuple(k[None] for k in kernels), jnp.full((1,), num_rows, jnp.int32),
                           jnp.zeros((num_rows,), jnp.int32), block_m=16, block_n=block_n, block_k=block_k,
                           split_k=split_k, rowwise_max_rows=num_rows if grid == "rows" else 0,
-                          rows_one_launch=grid == "rows", interpret=interpret)
+                          rows_one_launch=grid == "rows", pad_rows=pad_rows, interpret=interpret)
     return outs if several else outs[0]
