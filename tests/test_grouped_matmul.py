@@ -371,13 +371,14 @@ def test_pallas_dense_matmul_interpret_matches_dot(num_rows, grid):
 
 @pytest.mark.parametrize("num_rows", [1, 5, 16, 20])
 def test_tiles_grid_reads_few_rows_unpadded_with_masks(num_rows):
-    """pad_rows=False: one group of fewer than 16 rows is read and written with masks, no pad before the launch (and
-    an unpadded [K splits, M, N] output); 16 rows and more pad as before. The same products."""
+    """pad_rows=False (dense_matmul's default): one group of fewer than 16 rows is read and written with masks, no
+    pad before the launch (and an unpadded [K splits, M, N] output); 16 rows and more pad as with pad_rows=True. The
+    same products."""
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.normal(size=(num_rows, 256)), jnp.bfloat16)
     kernels = tuple(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16) for _ in range(2))
-    padded = functools.partial(pallas_gmm.dense_matmul, interpret=True)
-    masked = functools.partial(pallas_gmm.dense_matmul, pad_rows=False, interpret=True)
+    padded = functools.partial(pallas_gmm.dense_matmul, pad_rows=True, interpret=True)
+    masked = functools.partial(pallas_gmm.dense_matmul, interpret=True)  # the default
     for want, got in zip(padded(x, kernels), masked(x, kernels)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     unpadded = num_rows < 16
@@ -388,7 +389,7 @@ def test_tiles_grid_reads_few_rows_unpadded_with_masks(num_rows):
 @pytest.mark.parametrize("grid", ["tiles", "rows"])
 def test_pallas_dense_matmul_of_several_kernels_in_one_launch(grid):
     """A tuple of same-shape kernels (q / k / v of one input): one launch, each product as alone; shapes must match.
-    The rows grid reads the row as it is (no pad kernel before the launch); the tiles grid pads it to 16 rows."""
+    Neither grid pads the row (the tiles grid reads it with masked loads: dense_pad_rows false, the default)."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(1, 256)), jnp.bfloat16)
     kernels = tuple(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.bfloat16) for _ in range(3))
@@ -398,7 +399,7 @@ def test_pallas_dense_matmul_of_several_kernels_in_one_launch(grid):
     for out, kernel in zip(got, kernels):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(call(x, kernel)))
     assert _pallas_outputs(call, x, kernels) == [3]  # one launch writing the three products
-    assert ("pad" in str(jax.make_jaxpr(call)(x, kernels))) == (grid == "tiles")
+    assert "pad" not in str(jax.make_jaxpr(call)(x, kernels))
     with pytest.raises(ValueError, match="must share a shape"):
         call(x, (kernels[0], kernels[1][:, :64]))
 

@@ -197,7 +197,7 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
 
 
 def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precision=None, grid: str = "tiles",
-                 pad_rows: bool = True):
+                 pad_rows: bool = False):
     """x [..., K] @ kernel [K, N] -> [..., N] in x's dtype. xla: jnp.dot (with `precision`). pallas: the grouped
     matmul's tiles grid with one group and K split over programs (pallas_gmm.dense_matmul): XLA's M = 1
     products read an H200's memory at ~0.6 TB/s in a Kimi-Linear-48B decode step (benchmarks/RESULTS.md).

@@ -406,15 +406,15 @@ def dense_split_k(contract: int, out_dim: int, block_k: int, block_n: int, min_p
 
 
 def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 64, min_programs: int = 256,
-                 grid: str = "tiles", pad_rows: bool = True, interpret: bool = False):
+                 grid: str = "tiles", pad_rows: bool = False, interpret: bool = False):
     """rows [M, K] x kernel [K, N] -> [M, N] in rows' dtype, for few rows (M <= 16: one tile, each weight read
     once): the `tiles` grid with one group, K split (dense_split_k, for at least `min_programs` programs) so that a
     decode step's projection keeps the whole GPU reading. `kernel` may also be a tuple of [K, N] kernels (projections
     of the same rows, e.g. q / k / v): one launch multiplies by all of them (each program one column block of each)
     and a tuple of products is returned. grid="rows": the vector-matrix `rows` grid instead (its default product:
     bf16 rows on the tensor cores), every kernel in one launch (rows_one_launch): the rows need no padding to a
-    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection). pad_rows=False: the `tiles`
-    grid reads fewer than 16 rows with masked loads instead of padding them (config key `dense_pad_rows`)."""
+    16-row block (the `tiles` grid's input pad is one more XLA kernel per projection; pad_rows=False, the default,
+    reads fewer than 16 rows with masked loads instead: no pad kernel; config key `dense_pad_rows`)."""
     if grid not in ("tiles", "rows"):
         raise ValueError(f"grid={grid!r}: expected 'tiles' or 'rows'")
     kernels, several = as_tuple(kernel)
