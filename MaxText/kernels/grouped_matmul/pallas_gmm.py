@@ -12,8 +12,8 @@ Two grids, by M:
   tiles   (above) a tile schedule (plain JAX, `tile_schedule`) cuts every group's rows into tiles of at most
           `block_m` rows; a tile never spans two groups. The grid is (tile, block of `block_n` columns, K split); a
           program loads its group's [block_k, block_n] weight blocks and a block of `block_m` rows from its first one
-          (the input is padded so the block always lies inside), accumulates in float32 on the tensor cores and
-          stores only the rows of its group (masked: the programs of neighbouring tiles run concurrently). The number
+          (the input is padded so the block always lies inside, or read with masks: `pad_rows`), accumulates in
+          float32 on the tensor cores and stores only the rows of its group (masked: the programs of neighbouring tiles run concurrently). The number
           of tiles depends on the data, so the grid has the static bound floor(M / block_m) + min(E, M) tiles (each
           non-empty group adds at most one partial tile); tiles past the last do nothing. A prefill reads each used
           expert once per `block_m` of its rows.
@@ -222,6 +222,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     `weights` is one): a row of group E + x (row_groups up to E + X - 1) is multiplied by extra matrix x, e.g. an
     MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
     the [E, K, N] arrays). Forward only (decode).
+    pad_rows: the `tiles` grid pads the rows by block_m so that every tile's row block lies inside the buffer; False
+    reads and writes a single group of fewer than block_m rows with masks instead (no pad kernel before the launch).
 
     Differentiable (without extra_weights): the backward pass is `jax.lax.ragged_dot`'s (XLA; with glu, of the
     products recomputed), so training gets this kernel's forward and the previous default's gradients."""
@@ -314,13 +316,12 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         # or (one group of fewer than block_m rows, without pad_rows: its one tile starts at row 0) read and write
         # the block with masks, with no pad kernel before the launch.
         masked_rows = not pad_rows and num_groups == 1 and num_rows < block_m
-        extra_rows = 0 if masked_rows else block_m
         padded = rows if masked_rows else jnp.pad(rows, ((0, block_m), (0, 0)))  # [M (+ BM), K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
                                    k_blocks=contract // block_k // split_k, num_weights=len(weights),
                                    glu=glu_in_kernel, precise=rows.dtype == jnp.float32, masked_rows=masked_rows,
                                    interpret=interpret)
-        out_shape = jax.ShapeDtypeStruct((split_k, num_rows + extra_rows, out_dim), _partial_dtype(rows.dtype, split_k))
+        out_shape = jax.ShapeDtypeStruct((split_k, padded.shape[0], out_dim), _partial_dtype(rows.dtype, split_k))
         outs = pl.pallas_call(
             kernel,
             out_shape=(out_shape,) * (1 if glu_in_kernel else len(weights)),
