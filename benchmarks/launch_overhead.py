@@ -11,8 +11,9 @@ issue 8). This isolates the runtime's cost per kernel: each program is a chain o
   mixed   N / 2 of each, alternating (an XLA fusion between Pallas calls, as in the model).
 --branches B splits the N kernels into B independent chains of N / B kernels, each on its own array (a DAG of B
 branches, as a decode step's independent projections are), and --graph-scheduling compiles the program with that
-CUDA-graph order (`decode_graph_scheduling`'s XLA option; default serialize, XLA's own): the 48B step's graph launch
-took ~2 us per kernel on the host (a DAG, concurrent order) against 0.3 us per kernel in a serial chain here.
+CUDA-graph order (`decode_graph_scheduling`'s XLA option; default serialize, XLA's own). The 48B step's graph launch
+takes ~2 us per kernel on the host (a DAG, concurrent order); an H200 host issued 1024 kernels here at 0.1-0.3 us
+each as one chain or as 8 or 64 branches, either order (benchmarks/RESULTS.md, thirteenth session).
 Per kind: `issue` = host time per call while M calls are issued back to back (median of 5 blocks), `wall` = wall
 time per call including the final sync, both also per kernel; and the result is checked (x + N / B in every branch
 after one call).
@@ -128,7 +129,8 @@ def main(argv=None) -> list[dict]:
     for kind in args.kinds:
         row = measure(kind, args.kernels, args.calls, branches=args.branches, scheduling=args.graph_scheduling)
         rows.append(row)
-        print(f"{kind:7s} {args.kernels} kernels in {args.branches} branch(es), {args.graph_scheduling}: issue {row['issue_us']:9.1f} us/call "
+        print(f"{kind:7s} {args.kernels} kernels in {args.branches} branch(es), {args.graph_scheduling}: "
+              f"issue {row['issue_us']:9.1f} us/call "
               f"({row['issue_us_per_kernel']:.2f} us/kernel), wall {row['wall_us']:9.1f} us/call "
               f"({row['wall_us_per_kernel']:.2f} us/kernel)", flush=True)
     os.makedirs(args.out, exist_ok=True)

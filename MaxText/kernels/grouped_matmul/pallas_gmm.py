@@ -13,10 +13,10 @@ Two grids, by M:
           `block_m` rows; a tile never spans two groups. The grid is (tile, block of `block_n` columns, K split); a
           program loads its group's [block_k, block_n] weight blocks and a block of `block_m` rows from its first one
           (the input is padded so the block always lies inside, or read with masks: `pad_rows`), accumulates in
-          float32 on the tensor cores and stores only the rows of its group (masked: the programs of neighbouring tiles run concurrently). The number
-          of tiles depends on the data, so the grid has the static bound floor(M / block_m) + min(E, M) tiles (each
-          non-empty group adds at most one partial tile); tiles past the last do nothing. A prefill reads each used
-          expert once per `block_m` of its rows.
+          float32 on the tensor cores and stores only the rows of its group (masked: the programs of neighbouring
+          tiles run concurrently). The number of tiles depends on the data, so the grid has the static bound
+          floor(M / block_m) + min(E, M) tiles (each non-empty group adds at most one partial tile); tiles past the
+          last do nothing. A prefill reads each used expert once per `block_m` of its rows.
 With split_k > 1 every program covers 1 / split_k of K and writes a float32 partial product; XLA sums them. With
 `glu` (an MoE's gate and up arrays) the result is SiLU(gate) * up: computed from a program's float32 accumulators
 where it holds both products and K is whole, else from the summed products.
