@@ -182,8 +182,8 @@ class OpTimes(NamedTuple):
     kernels: dict[str, str]  # HLO op name -> the name of a kernel it launched
     launches: dict[str, int]  # HLO op name -> its kernel events (launches) in the trace
     source: str  # the plane and lines read
-    summed_ns: float = 0.0  # the kernels' durations summed (more than covered_ns where they ran side by side)
-    covered_ns: float = 0.0  # time covered by at least one of the events (their union)
+    summed_ns: float  # the kernels' durations summed (more than covered_ns where they ran side by side)
+    covered_ns: float  # time covered by at least one of the events (their union)
 
 
 def shared_time(intervals: list[tuple[float, float]]) -> list[float]:
@@ -385,14 +385,14 @@ def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps
         by_component[component] += seconds
         ops_by_component[component] += 1
         launches_by_component[component] += launches[op]
-    busy = op_times.summed_ns * 1e-9 / steps
+    busy, covered = op_times.summed_ns * 1e-9 / steps, op_times.covered_ns * 1e-9 / steps
 
     def row(seconds):
         return {"ms": seconds * 1e3, "pct_of_step": 100 * seconds / step_seconds}
 
     return {
         "source": op_times.source, "steps": steps, "step_ms": step_seconds * 1e3, "busy_ms": busy * 1e3,
-        "covered_ms": op_times.covered_ns * 1e-6 / steps, "idle_ms": (step_seconds - busy) * 1e3,
+        "covered_ms": covered * 1e3, "idle_ms": (step_seconds - covered) * 1e3,  # idle: no kernel running
         "num_ops": len(per_step), "launches_per_step": sum(launches.values()),
         "top_ops": [{"op": op, "kernel": op_times.kernels.get(op), "component": model_component(op_name(op), config),
                      "op_name": op_name(op), "launches_per_step": launches[op], **row(seconds)}

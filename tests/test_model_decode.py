@@ -136,6 +136,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         profile = row["profile"]
         assert "error" not in profile and profile["top_ops"], profile
         assert 0 < profile["covered_ms"] <= profile["busy_ms"] * (1 + 1e-9), profile  # the union, overlaps once
+        assert profile["idle_ms"] == pytest.approx(profile["step_ms"] - profile["covered_ms"])  # no kernel running
         # Every op launched at least once per call (steps_per_call=2: each unrolled step's ops once in two steps);
         # the components' launches add up to the step's.
         least = 0.5 if row["variant"] == VARIANT else 1
