@@ -250,6 +250,92 @@ def test_glu_is_silu_of_gate_times_up(rowwise_max_rows, rows_one_launch, split_k
         call(rows, (gate,))
 
 
+def _fused_inputs_problem():
+    """Two tokens routed to 3 of 6 experts each (row_groups lists their 6 routed rows), a shared expert as extra
+    group 0 (one more row per token), the gate / up / down arrays, and the rows they stand for."""
+    rng = np.random.default_rng(11)
+    tokens = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(6, 64, 48)) / 8, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(6, 48, 64)) / 7, jnp.float32)
+    extras = tuple(jnp.asarray(rng.normal(size=(1, *w.shape[1:])) / 8, jnp.float32) for w in (gate, up, down))
+    routed = jnp.asarray([3, 0, 5, 1, 3, 2], jnp.int32)
+    every_row = jnp.concatenate([routed, jnp.full((2,), 6, jnp.int32)])  # the materialized rows' groups
+    return tokens, (gate, up, down), extras, routed, every_row
+
+
+def _materialized_moe_rows(tokens, weights, extras, every_row):
+    """The oracle of `_fused_inputs_problem`: the expanded rows, SiLU(gate) * up and the down product."""
+    rows = gmm.token_rows(tokens, 3, extra_rows=True)  # [8, 64]
+    gate, up, down = (jnp.concatenate([w, x]) for w, x in zip(weights, extras))
+    product = functools.partial(gather_matmul, row_groups=every_row, precision=jax.lax.Precision.HIGHEST)
+    hidden = jax.nn.silu(product(rows, gate)) * product(rows, up)
+    return hidden, product(hidden, down)
+
+
+def _primitives(fn, *args) -> set[str]:
+    """The primitives of fn's jaxpr (top level: a pallas_call's body not included)."""
+    return {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns}
+
+
+@pytest.mark.parametrize("rows_one_launch,split_k,deferred", [(False, 2, True), (True, 2, True), (True, 1, False)])
+def test_rows_grid_reads_tokens_and_defers_the_glu_to_the_down_product(rows_one_launch, split_k, deferred):
+    """rows_per_token: 2 tokens stand for their 3 routed rows each and one extra (shared-expert) row each, row_groups
+    listing only the 6 routed rows; defer_glu (K split) hands the down product the gate / up partial products (a
+    GluPartials), whose activation it computes as it loads them. The same results as the materialized rows and
+    activation, with no XLA op between the launches (no repeat, concatenate, sum or activation)."""
+    tokens, (gate, up, down), extras, routed, every_row = _fused_inputs_problem()
+    sizes = jnp.zeros((6,), jnp.int32)  # unused by the rows grid
+
+    def fused(tokens):
+        hidden = pallas_gmm.grouped_matmul(tokens, (gate, up), sizes, routed, extra_weights=extras[:2], block_k=32,
+                                           split_k=split_k, rows_one_launch=rows_one_launch, glu=True,
+                                           rows_per_token=3, defer_glu=True, interpret=True)
+        return hidden, pallas_gmm.grouped_matmul(hidden, down, sizes, routed, extra_weights=extras[2], block_k=16,
+                                                 interpret=True)
+
+    hidden, out = fused(tokens)
+    want_hidden, want_out = _materialized_moe_rows(tokens, (gate, up, down), extras, every_row)
+    assert isinstance(hidden, gmm.GluPartials) == deferred
+    if deferred:
+        assert hidden.gate.shape == hidden.up.shape == (split_k, 8, 48) and hidden.shape == (8, 48)
+        hidden = hidden.materialize()
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    assert not _primitives(fused, tokens) & {"concatenate", "broadcast_in_dim", "gather", "reduce_sum", "add", "mul",
+                                             "exp", "logistic", "div"}
+    with pytest.raises(ValueError, match="rows_per_token need the rows grid"):
+        pallas_gmm.grouped_matmul(tokens, gate, sizes, routed, rows_per_token=3, rowwise_max_rows=4, interpret=True)
+    with pytest.raises(ValueError, match=r"row_groups \[6\] \(with extra weights: at least one row\), got .* \(5,\)"):
+        pallas_gmm.grouped_matmul(tokens, gate, sizes, routed[:5], rows_per_token=3, interpret=True)
+
+
+@pytest.mark.parametrize("implementation", ["gather", "pallas"])
+def test_dispatcher_expands_fused_inputs_where_the_rows_grid_does_not_run(implementation, monkeypatch):
+    """The dispatcher takes rows_per_token, defer_glu and GluPartials rows everywhere: the Pallas rows grid reads
+    them as they are, other implementations (and more rows than the rows grid takes) get the expanded rows and
+    the activation; the results agree. defer_glu without glu is refused."""
+    tokens, (gate, up, down), _, routed, _ = _fused_inputs_problem()
+    sizes = jnp.bincount(routed, length=6).astype(jnp.int32)
+    if implementation == "pallas":
+        monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
+        monkeypatch.setattr(pallas_gmm, "grouped_matmul", functools.partial(pallas_gmm.grouped_matmul, block_k=16,
+                                                                             interpret=True))
+    call = functools.partial(gmm.grouped_matmul, group_sizes=sizes, row_groups=routed, implementation=implementation,
+                             precision=jax.lax.Precision.HIGHEST)
+    with jax.default_matmul_precision("highest"):
+        hidden = call(tokens, (gate, up), glu=True, rows_per_token=3, defer_glu=True)
+        out = call(hidden, down)
+    assert isinstance(hidden, gmm.GluPartials) == (implementation == "pallas")
+    rows = gmm.token_rows(tokens, 3, extra_rows=False)
+    product = functools.partial(gather_matmul, row_groups=routed, precision=jax.lax.Precision.HIGHEST)
+    want_hidden = jax.nn.silu(product(rows, gate)) * product(rows, up)
+    materialized = hidden.materialize() if isinstance(hidden, gmm.GluPartials) else hidden
+    np.testing.assert_allclose(np.asarray(materialized), np.asarray(want_hidden), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(product(want_hidden, down)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="defer_glu defers the activation of glu=True"):
+        call(tokens, gate, rows_per_token=3, defer_glu=True)
+
+
 def _dispatcher_problem(implementation, monkeypatch):
     """An MoE's rows, gate and up arrays, group sizes and row groups for the dispatcher; with 'pallas' the dispatcher
     resolves to the kernel, run by the interpreter (as it would run on one GPU)."""

@@ -196,6 +196,41 @@ def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeyp
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared_in_routed", [True, False])
+def test_moe_rows_fused_inputs_reach_the_rows_grid(shared_in_routed, monkeypatch):
+    """moe_rows_fused_inputs (default on): the rows grid gets the tokens (rows_per_token = top-k; with the shared
+    expert as routed rows, row ids for the routed rows only) and the down product the gate / up launches'
+    GluPartials; off: the repeated rows, the ids and the activation made first. The same output either way."""
+    from MaxText.kernels import grouped_matmul as gmm
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
+                   topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
+                   kda_layers=[1], mla_layers=[], moe_shared_in_routed=shared_in_routed)
+    assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_rows_fused_inputs  # the default
+    monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
+    kernel, seen = pallas_gmm.grouped_matmul, []
+
+    def recorded(rows, weights, group_sizes, row_groups, **kwargs):
+        seen.append((isinstance(rows, gmm.GluPartials), rows.shape[0], kwargs["rows_per_token"], row_groups.shape[0]))
+        return kernel(rows, weights, group_sizes, row_groups, interpret=True, **kwargs)
+    monkeypatch.setattr(pallas_gmm, "grouped_matmul", recorded)
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(1, 3, 32)), jnp.float32)
+    outputs = {}
+    for fused in (True, False):
+        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_rows_fused_inputs": fused})
+        params = MoE(config).init(jax.random.PRNGKey(0), x)
+        seen.clear()
+        with jax.default_matmul_precision("highest"):
+            outputs[fused] = np.asarray(MoE(config).apply(params, x))
+        rows = 15 if shared_in_routed else 12  # 3 tokens x (top-4 (+ the shared row))
+        if fused:
+            want = [(False, 3, 4, 12), (True, rows, 0, 12)]  # the tokens, then the gate / up partials
+        else:
+            want = [(False, rows, 0, rows), (False, rows, 0, rows)]
+        assert seen == want
+    np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("product, mma", [("auto", None), ("tensor_cores", True), ("fma", False)])
 def test_moe_rows_product_reaches_the_rows_grid(product, mma, monkeypatch):
     """moe_rows_product picks how the Pallas rows grid multiplies (auto: the kernel's default by dtype)."""

@@ -1,6 +1,8 @@
 """MoE routing kernels (MaxText/kernels/moe_router): the Pallas router (interpret mode) against the plain-JAX
 oracle, its limits, the dispatcher, and the Router layer wired to it."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -106,3 +108,27 @@ def test_router_layer_takes_the_pallas_kernels_when_resolved(monkeypatch, tokens
         assert calls == [("route", (tokens, 16))]
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+
+
+def test_pallas_router_reads_bf16_tokens_as_they_are(monkeypatch):
+    """A bf16 x reaches the Pallas product uncast (no float32 copy made before the launch) and routes exactly as
+    its float32 copy does: the kernel multiplies in float32 either way (bf16 -> fp32 is exact)."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.standard_normal((256, 16)) / 16, jnp.bfloat16)
+    bias = jnp.linspace(-0.1, 0.1, 16)
+    seen, kernel_product = [], pallas_gmm.vector_matrix_partials
+
+    def product(rows, w):
+        seen.append(rows.dtype)
+        return kernel_product(rows, w, interpret=True)
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
+    monkeypatch.setattr(pallas_route, "route_logits", functools.partial(pallas_route.route_logits, interpret=True))
+    monkeypatch.setattr(pallas_gmm, "vector_matrix_partials", product)
+    route = functools.partial(moe_router.route_tokens, top_k=4, n_groups=1, top_k_groups=1, norm_topk_prob=True,
+                              routed_scaling_factor=2.5, implementation="pallas")
+    got, want = route(x, kernel, bias), route(x.astype(jnp.float32), kernel, bias)
+    assert seen == [jnp.bfloat16, jnp.float32]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

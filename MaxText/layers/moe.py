@@ -16,7 +16,8 @@ implementation: MaxText/kernels/grouped_matmul), and the rows are unsorted, weig
 implementation multiplies rows in any order (gather; Pallas at decode sizes), the pairs stay in token order: no sort.
 With `moe_shared_in_routed` and the Pallas `rows` grid (N*(k+1) <= 16 rows: decode at batch 1), the shared expert
 (shared_experts 1: the routed experts' shape) is one more row per token in the routed experts' launches, with weight
-1 in the sum: no kernels of its own.
+1 in the sum: no kernels of its own. With `moe_rows_fused_inputs` the rows grid reads each token in place of its
+repeated rows and computes the down product's SiLU(gate) * up from the gate / up products as it loads them.
 """
 
 from __future__ import annotations
@@ -78,17 +79,21 @@ class RoutedExperts(nn.Module):
         pair_experts = expert_ids.reshape(-1)  # [N*k], token-major
         group_sizes = jnp.bincount(pair_experts, length=num_experts).astype(jnp.int32)  # [E]
         sort = rows_must_be_sorted(cfg.moe_grouped_matmul, dtype, dim, inner, num_tokens * top_k)
+        # Token order with `moe_rows_fused_inputs`: the grouped matmul reads each token for its k rows (and its
+        # shared-expert row, of group E, left out of row_experts) and takes the gate / up products unsummed.
+        fused_inputs = cfg.moe_rows_fused_inputs and not sort
         if sort:  # the (token, expert) pairs sorted by expert
             order = jnp.argsort(pair_experts, stable=True)  # [N*k] pair index of each sorted row
             row_experts = pair_experts[order]  # [N*k], non-decreasing
             rows = x.astype(dtype)[order // top_k]  # [N*k, D]
         else:  # in token order: each row meets its own expert's weights whatever the order
             row_experts = pair_experts
-            rows = jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N*k, D]
+            rows = x.astype(dtype) if fused_inputs else jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N(*k), D]
         extra = None
         if shared_kernels is not None:  # the shared expert: group E, rows N*k ... N*k + N - 1 (one per token)
-            rows = jnp.concatenate([rows, x.astype(dtype)])  # [N*(k+1), D]
-            row_experts = jnp.concatenate([row_experts, jnp.full((num_tokens,), num_experts, row_experts.dtype)])
+            if not fused_inputs:
+                rows = jnp.concatenate([rows, x.astype(dtype)])  # [N*(k+1), D]
+                row_experts = jnp.concatenate([row_experts, jnp.full((num_tokens,), num_experts, row_experts.dtype)])
             extra = tuple(kernel[None] for kernel in shared_kernels)  # [1, D, I], [1, D, I], [1, I, D]
 
         def matmul(lhs, w, extra_weights, **options):
@@ -96,9 +101,11 @@ class RoutedExperts(nn.Module):
                                   precision=precision, extra_weights=extra_weights,
                                   rows_mma=ROWS_MMA[cfg.moe_rows_product], **options)
 
-        # SiLU(rows Wg) * rows Wu [rows, I] (Pallas: in the gate and up kernel where one program holds both products)
+        # SiLU(rows Wg) * rows Wu [rows, I] (Pallas: in the gate and up kernel where one program holds both products;
+        # with fused_inputs, where K is split, in the down kernel as it loads its rows)
         hidden = matmul(rows, (w_gate, w_up), extra[:2] if extra else None, glu=True,
-                        rows_one_launch=cfg.moe_gate_up_one_launch)
+                        rows_one_launch=cfg.moe_gate_up_one_launch, rows_per_token=top_k if fused_inputs else 0,
+                        defer_glu=fused_inputs)
         out = matmul(hidden, w_down, extra[2] if extra else None)  # [rows, D]
         if sort:
             out = jnp.zeros_like(out).at[order].set(out)  # back to token order

@@ -24,10 +24,12 @@ us, ragged_dot 287-291 / 322-350 / 843-1075 us.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -125,9 +127,44 @@ def glu_output(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
     return silu_glu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
 
 
-def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["gate", "up"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class GluPartials:
+    """Rows given as the SwiGLU activation of unsummed K-split products: glu_output(gate.sum(0), up.sum(0), dtype)
+    [M, K]. gate, up: [S, M, K] (float32 where S > 1). The Pallas `rows` grid computes the activation as it loads
+    each row (no activation kernel between the gate / up launches and the down launch); elsewhere `materialize`.
+    A pytree (dtype static): it passes through jit."""
+    gate: jax.Array
+    up: jax.Array
+    dtype: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.gate.shape[1:]
+
+    def materialize(self) -> jax.Array:
+        return glu_output(self.gate.sum(axis=0), self.up.sum(axis=0), self.dtype)
+
+
+def token_rows(tokens: jax.Array, rows_per_token: int, extra_rows: bool) -> jax.Array:
+    """The product rows that `rows_per_token` stands for: each token's row `rows_per_token` times (token-major, rows
+    [T * rows_per_token, K]), then with `extra_rows` every token once more (rows [T * (rows_per_token + 1), K]: an
+    MoE's shared-expert rows)."""
+    rows = jnp.repeat(tokens, rows_per_token, axis=0)
+    return jnp.concatenate([rows, tokens]) if extra_rows else rows
+
+
+def product_rows(rows, rows_per_token: int, extra_rows: bool) -> int:
+    """How many product rows a `grouped_matmul` call multiplies: rows' count, or with rows_per_token its tokens'
+    expansion (`token_rows`)."""
+    count = rows.shape[0]
+    return count * rows_per_token + (count if extra_rows else 0) if rows_per_token else count
+
+
+def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None,
-                   rows_one_launch: bool = False, glu: bool = False):
+                   rows_one_launch: bool = False, glu: bool = False, rows_per_token: int = 0,
+                   defer_glu: bool = False):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
@@ -135,19 +172,33 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     Pallas `rows` grid only (`extra_groups_supported`; pallas_gmm.grouped_matmul). rows_mma: whether the Pallas
     `rows` grid multiplies on the tensor cores (None: its default, `pallas_gmm.default_tiles`); rows_one_launch:
     whether it multiplies by every array in one launch. glu: `weights` is (gate, up); returns the one array
-    glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products)."""
+    glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products).
+
+    Inputs the Pallas `rows` grid reads as they are (elsewhere they are expanded first, with the same result):
+    rows may be a `GluPartials` (the previous call's deferred activation); rows_per_token > 0: `rows` [T, K] are
+    tokens standing for `token_rows(rows, rows_per_token, extra_rows=extra_weights is not None)` (no repeated copy);
+    row_groups may then list only the T * rows_per_token routed rows, the extra rows being of group E.
+    defer_glu (with glu): returns a `GluPartials` where the activation would run as a kernel of its own (K split)."""
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
+    if defer_glu and not glu:
+        raise ValueError("defer_glu defers the activation of glu=True; glu is False")
+    num_rows = product_rows(rows, rows_per_token, extra_weights is not None)
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
-                                                                weights[0].shape[2], rows.shape[0]):
+                                                                weights[0].shape[2], num_rows):
         raise ValueError(f"extra_weights need the Pallas rows grid (at most {ROWWISE_MAX_ROWS} rows); "
-                         f"moe_grouped_matmul={implementation!r} runs {chosen} for {rows.shape[0]} rows")
+                         f"moe_grouped_matmul={implementation!r} runs {chosen} for {num_rows} rows")
+    if chosen != "pallas" or num_rows > ROWWISE_MAX_ROWS:  # only the Pallas rows grid reads these as they are
+        rows = rows.materialize() if isinstance(rows, GluPartials) else rows
+        rows = token_rows(rows, rows_per_token, extra_weights is not None) if rows_per_token else rows
+        rows_per_token, defer_glu = 0, False
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
         return pallas_gmm.grouped_matmul(rows, weights if several else weights[0], group_sizes, row_groups,
                                          extra_weights=extra_weights, rows_mma=rows_mma,
-                                         rows_one_launch=rows_one_launch, glu=glu)
+                                         rows_one_launch=rows_one_launch, glu=glu, rows_per_token=rows_per_token,
+                                         defer_glu=defer_glu)
     product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
                if chosen == "ragged_dot" else
                functools.partial(gather_matmul, row_groups=row_groups, precision=precision))

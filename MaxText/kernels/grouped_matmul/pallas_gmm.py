@@ -37,7 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul import ROWWISE_MAX_ROWS, as_tuple, check_glu_weights, glu_output, silu_glu
+from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, GluPartials, as_tuple, check_glu_weights, glu_output,
+                                            product_rows, silu_glu)
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
@@ -148,26 +149,44 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, rows_ref, *refs, block_k, block_n, k_blocks, num_weights, num_groups, mma, glu,
-                    interpret):
-    """refs: `num_weights` weight refs, then (with extra weights) one extra weight ref per weight, then the outputs
-    (one per weight; glu: one). Each program multiplies its row by every weight array's [K / split_k, block_n]
-    block in one loop over K (the row loaded once for all); a row of group g >= num_groups uses the extra weights'
-    matrix g - num_groups. mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0
-    (zeros elsewhere), so that Triton pipelines the weight loads as it does for products; else float32 FMAs and a
-    reduction over K. glu: stores silu_glu of the two products (split_k 1 only)."""
-    num_outputs = 1 if glu else num_weights
+def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_weights, num_groups, mma, glu, glu_rows,
+                    rows_per_token, listed_rows, interpret):
+    """refs: the rows (with glu_rows: the gate and up K-split partial products [S, M, K] of a GluPartials), then
+    `num_weights` weight refs, then (with extra weights) one extra weight ref per weight, then the outputs (one per
+    weight; glu: one). Each program multiplies its row by every weight array's [K / split_k, block_n] block in one
+    loop over K (the row loaded once for all); a row of group g >= num_groups uses the extra weights' matrix
+    g - num_groups, and rows past the `listed_rows` of groups_ref (None: all) are of group num_groups.
+    rows_per_token > 0: the rows are tokens, row r < T * rows_per_token reads token r // rows_per_token and the extra
+    rows after them token r - T * rows_per_token (`token_rows`). mma: each K block as a tensor-core product of a
+    16-row tile holding the row in row 0 (zeros elsewhere), so that Triton pipelines the weight loads as it does for
+    products; else float32 FMAs and a reduction over K. glu: stores silu_glu of the two products (split_k 1 only)."""
+    num_inputs, num_outputs = 2 if glu_rows else 1, 1 if glu else num_weights
+    row_refs, refs = refs[:num_inputs], refs[num_inputs:]
     w_refs, extra_refs, out_refs = refs[:num_weights], refs[num_weights:-num_outputs], refs[-num_outputs:]
     row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    group = groups_ref[row]
+    if listed_rows is None:
+        group = groups_ref[row]
+    else:
+        group = jnp.where(row < listed_rows, groups_ref[jnp.minimum(row, listed_rows - 1)], num_groups)
+    source = row  # the row of the input this program reads
+    if rows_per_token:
+        routed = row_refs[0].shape[-2] * rows_per_token
+        source = jnp.where(row < routed, row // rows_per_token, row - routed)
     cols = pl.ds(col_block * block_n, block_n)
+    dtype = w_refs[0].dtype
 
     first_row = jnp.arange(MMA_ROWS)[:, None] == 0  # rows_mma: the 16-row tile holds the row in row 0
-    precise = rows_ref.dtype == jnp.float32
+    precise = dtype == jnp.float32
+
+    def load_row(ks):  # [BK] in the weights' dtype
+        if not glu_rows:
+            return row_refs[0][source, ks]
+        gate, up = (sum(ref[s, source, ks].astype(jnp.float32) for s in range(ref.shape[0])) for ref in row_refs)
+        return silu_glu(gate, up).astype(dtype)
 
     def body(weight_refs, matrix, kb, accs):
         ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
-        x = rows_ref[row, ks]  # [BK]
+        x = load_row(ks)  # [BK]
         if mma:
             tile = jnp.where(first_row, x[None, :], jnp.zeros((), x.dtype))  # [16, BK]: the row, then zeros
             return tuple(acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
@@ -197,7 +216,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
                    rows_mma: bool | None = None, glu: bool = False, pad_rows: bool = True, extra_weights=None,
-                   interpret: bool = False):
+                   rows_per_token: int = 0, defer_glu: bool = False, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -224,6 +243,10 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     the [E, K, N] arrays). Forward only (decode).
     pad_rows: the `tiles` grid pads the rows by block_m so that every tile's row block lies inside the buffer; False
     reads and writes a single group of fewer than block_m rows with masks instead (no pad kernel before the launch).
+    On the `rows` grid only (forward only; the package's `grouped_matmul` documents them): rows as a `GluPartials`
+    (the activation computed as each row is loaded), rows_per_token (tokens read in place of their repeated rows;
+    row_groups may omit the extra rows, of extra group 0), defer_glu (with glu: the K splits' partial products
+    returned as a `GluPartials` instead of summed and activated by a kernel of their own).
 
     Differentiable (without extra_weights): the backward pass is `jax.lax.ragged_dot`'s (XLA; with glu, of the
     products recomputed), so training gets this kernel's forward and the previous default's gradients."""
@@ -233,11 +256,14 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                ("interpret", interpret))
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
-    if extra_weights is None:
+    if extra_weights is None and not (rows_per_token or defer_glu or isinstance(rows, GluPartials)):
         outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
     else:
-        extras, _ = as_tuple(extra_weights)
-        outs = _launch(rows, weights, group_sizes, row_groups, extra_weights=extras, **dict(options))
+        extras = as_tuple(extra_weights)[0] if extra_weights is not None else ()
+        outs = _launch(rows, weights, group_sizes, row_groups, extra_weights=extras, rows_per_token=rows_per_token,
+                       defer_glu=defer_glu, **dict(options))
+    if isinstance(outs, GluPartials):
+        return outs
     return outs if several and not glu else outs[0]
 
 
@@ -265,27 +291,32 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
-            rowwise_max_rows, rows_one_launch, rows_mma, glu, pad_rows, interpret, extra_weights=()):
+            rowwise_max_rows, rows_one_launch, rows_mma, glu, pad_rows, interpret, extra_weights=(),
+            rows_per_token=0, defer_glu=False):
     """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
-    only) -> a tuple of [M, N] products (glu: one array)."""
-    num_rows, contract = rows.shape
+    only) -> a tuple of [M, N] products (glu: one array; defer_glu: a GluPartials where K is split)."""
+    num_rows = product_rows(rows, rows_per_token, bool(extra_weights))
+    contract = rows.shape[1]
     num_groups, _, out_dim = weights[0].shape
     reason = unsupported_reason(rows.dtype, contract, out_dim)
     if reason:
         raise ValueError(reason)
+    listed = row_groups.shape[0] if row_groups.ndim == 1 else -1
     if (any(w.shape != (num_groups, contract, out_dim) for w in weights) or group_sizes.shape != (num_groups,)
-            or row_groups.shape != (num_rows,)):
+            or not (listed == num_rows or extra_weights and 0 < listed < num_rows)):
         raise ValueError(f"expected weights [E, {contract}, N] (all of one shape), group_sizes [E] and row_groups "
-                         f"[{num_rows}], got {[w.shape for w in weights]}, {group_sizes.shape} and "
-                         f"{row_groups.shape}")
-    if extra_weights:
-        if len(extra_weights) != len(weights) or any(x.ndim != 3 or x.shape[1:] != (contract, out_dim)
-                                                     for x in extra_weights):
-            raise ValueError(f"expected one extra weight array [X, {contract}, {out_dim}] per weight array, got "
-                             f"{[x.shape for x in extra_weights]} for {len(weights)}")
-        if num_rows > rowwise_max_rows:
-            raise ValueError(f"extra_weights need the rows grid (M <= rowwise_max_rows={rowwise_max_rows}), got "
-                             f"M={num_rows}")
+                         f"[{num_rows}] (with extra weights: at least one row), got {[w.shape for w in weights]}, "
+                         f"{group_sizes.shape} and {row_groups.shape}")
+    if extra_weights and (len(extra_weights) != len(weights)
+                          or any(x.ndim != 3 or x.shape[1:] != (contract, out_dim) for x in extra_weights)):
+        raise ValueError(f"expected one extra weight array [X, {contract}, {out_dim}] per weight array, got "
+                         f"{[x.shape for x in extra_weights]} for {len(weights)}")
+    rows_grid_only = [name for name, used in (("extra_weights", bool(extra_weights)),
+                                              ("rows_per_token", rows_per_token), ("defer_glu", defer_glu),
+                                              ("GluPartials rows", isinstance(rows, GluPartials))) if used]
+    if rows_grid_only and num_rows > rowwise_max_rows:
+        raise ValueError(f"{' and '.join(rows_grid_only)} need the rows grid (M <= rowwise_max_rows="
+                         f"{rowwise_max_rows}), got M={num_rows}")
     rows_grid = num_rows <= rowwise_max_rows
     block_k = _block(contract, block_k)
     defaults = default_tiles(num_rows, rows.dtype, contract // block_k, rows_one_launch and len(weights) > 1,
@@ -309,7 +340,10 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
     if rows_grid:
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
                                  params=params, one_launch=rows_one_launch, mma=rows_mma, glu=glu_in_kernel,
-                                 interpret=interpret, extra_weights=extra_weights)
+                                 interpret=interpret, extra_weights=extra_weights, num_rows=num_rows,
+                                 rows_per_token=rows_per_token)
+        if glu and defer_glu and not glu_in_kernel:
+            return GluPartials(*outs, rows.dtype)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers,
@@ -343,26 +377,33 @@ def _partial_dtype(rows_dtype, split_k: int):
 
 
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
-                      mma=False, glu=False, extra_weights=()):
+                      mma=False, glu=False, extra_weights=(), num_rows=None, rows_per_token=0, out_dtype=None):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
     rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (glu, one_launch
     and split_k 1 only: one silu_glu output instead). extra_weights: () or one [X, K, N] array per weight array, for
-    rows of groups E...E+X-1."""
-    num_rows, contract = rows.shape
+    rows of groups E...E+X-1. rows: an array or a GluPartials; num_rows: the product rows M (default rows');
+    rows_per_token: `grouped_matmul`'s; out_dtype: the products' (default `_partial_dtype`)."""
+    num_rows = num_rows or rows.shape[0]
+    contract = rows.shape[1]
     num_groups, _, out_dim = weights[0].shape
     per_launch = len(weights) if one_launch else 1
-    out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), _partial_dtype(rows.dtype, split_k))
+    glu_rows = isinstance(rows, GluPartials)
+    listed = row_groups.shape[0]
+    out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), out_dtype or _partial_dtype(rows.dtype, split_k))
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
-                          num_weights=per_launch, num_groups=num_groups, mma=mma, glu=glu, interpret=interpret),
+                          num_weights=per_launch, num_groups=num_groups, mma=mma, glu=glu, glu_rows=glu_rows,
+                          rows_per_token=rows_per_token, listed_rows=None if listed == num_rows else listed,
+                          interpret=interpret),
         out_shape=(out_shape,) * (1 if glu else per_launch),
         grid=(num_rows, out_dim // block_n, split_k), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
     groups = row_groups.astype(jnp.int32)
+    inputs = (rows.gate, rows.up) if glu_rows else (rows,)
     if one_launch:
-        return call(groups, rows, *weights, *extra_weights)
+        return call(groups, *inputs, *weights, *extra_weights)
     extras = [(x,) for x in extra_weights] or [()] * len(weights)
-    return tuple(out for w, x in zip(weights, extras) for out in call(groups, rows, w, *x))
+    return tuple(out for w, x in zip(weights, extras) for out in call(groups, *inputs, w, *x))
 
 
 def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int = 128, block_n: int = 64,
@@ -370,7 +411,7 @@ def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int =
     """rows [M, K] (few: one program per row and block) x kernel [K, N] -> [K / block_k, M, N] float32 partial
     products, one per block of K (their sum is rows @ kernel), for a consumer that sums them itself (the MoE router
     kernel sums them while it routes: no separate reduction). The `rows` grid with one group and K split into every
-    block; both operands are multiplied in float32 as stored (a bf16 kernel under fp32 rows is not converted first:
+    block; both operands are multiplied in float32 as stored (bf16 rows or a bf16 kernel are not converted first:
     exact products)."""
     num_rows, contract = rows.shape
     if kernel.ndim != 2 or kernel.shape[0] != contract:
@@ -382,7 +423,7 @@ def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int =
     (parts,) = _rowwise_partials(rows, (kernel[None],), jnp.zeros((num_rows,), jnp.int32), block_k=block_k,
                                  block_n=block_n, split_k=contract // block_k,
                                  params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), one_launch=False,
-                                 interpret=interpret)
+                                 interpret=interpret, out_dtype=jnp.float32)
     return parts
 
 

@@ -53,15 +53,15 @@ def route_tokens(x: jax.Array, kernel: jax.Array, correction_bias: jax.Array, *,
                  implementation: str = "xla") -> tuple[jax.Array, jax.Array]:
     """See the module docstring."""
     num_tokens, dim = x.shape
-    x = x.astype(jnp.float32)
     options = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
     if resolve(implementation, kernel.shape[-1], top_k, n_groups) == "pallas":
         # pylint: disable=import-outside-toplevel
         from MaxText.kernels.grouped_matmul import pallas_gmm
         from MaxText.kernels.moe_router import pallas_route
-        if (num_tokens <= ROWWISE_MAX_ROWS
-                and pallas_gmm.unsupported_reason(jnp.float32, dim, kernel.shape[-1]) is None):
-            logits = pallas_gmm.vector_matrix_partials(x, kernel)  # [D / 128, N, E] partial sums
+        if num_tokens <= ROWWISE_MAX_ROWS and pallas_gmm.unsupported_reason(x.dtype, dim, kernel.shape[-1]) is None:
+            # [D / 128, N, E] partial sums of float32 products of x and the kernel as stored: a bf16 x is read as it
+            # is (no float32 copy of it made before the launch)
+            logits = pallas_gmm.vector_matrix_partials(x, kernel)
         else:
             logits = _logits(x, kernel)
         return pallas_route.route_logits(logits, correction_bias, **options)
@@ -70,5 +70,5 @@ def route_tokens(x: jax.Array, kernel: jax.Array, correction_bias: jax.Array, *,
 
 
 def _logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [N, D] float32 @ kernel [D, E] in float32 (HIGHEST: no bf16 / tf32 passes) -> [N, E]."""
-    return jnp.dot(x, kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    """x [N, D] @ kernel [D, E] in float32 (HIGHEST: no bf16 / tf32 passes) -> [N, E]."""
+    return jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
