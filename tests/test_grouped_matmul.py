@@ -280,8 +280,8 @@ def _primitives(fn, *args) -> set[str]:
 @pytest.mark.parametrize("rows_one_launch,split_k,deferred", [(False, 2, True), (True, 2, True), (True, 1, False)])
 def test_rows_grid_reads_tokens_and_defers_the_glu_to_the_down_product(rows_one_launch, split_k, deferred):
     """rows_per_token: 2 tokens stand for their 3 routed rows each and one extra (shared-expert) row each, row_groups
-    listing only the 6 routed rows; defer_glu (K split) hands the down product the gate / up partial products (a
-    GluPartials), whose activation it computes as it loads them. The same results as the materialized rows and
+    listing only the 6 routed rows; partial_rows hands the down product the gate / up K-split products (one
+    PartialRows), whose activation it computes as it loads them. The same results as the materialized rows and
     activation, with no XLA op between the launches (no repeat, concatenate, sum or activation)."""
     tokens, (gate, up, down), extras, routed, every_row = _fused_inputs_problem()
     sizes = jnp.zeros((6,), jnp.int32)  # unused by the rows grid
@@ -289,15 +289,15 @@ def test_rows_grid_reads_tokens_and_defers_the_glu_to_the_down_product(rows_one_
     def fused(tokens):
         hidden = pallas_gmm.grouped_matmul(tokens, (gate, up), sizes, routed, extra_weights=extras[:2], block_k=32,
                                            split_k=split_k, rows_one_launch=rows_one_launch, glu=True,
-                                           rows_per_token=3, defer_glu=True, interpret=True)
+                                           rows_per_token=3, partial_rows=True, interpret=True)
         return hidden, pallas_gmm.grouped_matmul(hidden, down, sizes, routed, extra_weights=extras[2], block_k=16,
                                                  interpret=True)
 
     hidden, out = fused(tokens)
     want_hidden, want_out = _materialized_moe_rows(tokens, (gate, up, down), extras, every_row)
-    assert isinstance(hidden, gmm.GluPartials) == deferred
+    assert isinstance(hidden, gmm.PartialRows) == deferred
     if deferred:
-        assert hidden.gate.shape == hidden.up.shape == (split_k, 8, 48) and hidden.shape == (8, 48)
+        assert [part.shape for part in hidden.parts] == [(split_k, 8, 48)] * 2 and hidden.shape == (8, 48)
         hidden = hidden.materialize()
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
@@ -309,11 +309,27 @@ def test_rows_grid_reads_tokens_and_defers_the_glu_to_the_down_product(rows_one_
         pallas_gmm.grouped_matmul(tokens, gate, sizes, routed[:5], rows_per_token=3, interpret=True)
 
 
+@pytest.mark.parametrize("rowwise_max_rows", [16, 0])
+def test_partial_rows_of_one_product_are_summed_by_the_next(rowwise_max_rows):
+    """partial_rows without glu (K split in 2): one PartialRows part per weight array, which the next product sums
+    as it loads its rows (the rows grid) or materializes first (the tiles grid): the product of the summed rows."""
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES["decode, one row per expert"], 64, 48, jnp.float32,
+                                                seed=13)
+    nxt = weights[:, :48, :32] * 1.5
+    call = functools.partial(pallas_gmm.grouped_matmul, group_sizes=sizes, row_groups=row_groups, block_k=16,
+                             rowwise_max_rows=rowwise_max_rows, interpret=True)
+    part = call(rows, weights, split_k=2, partial_rows=True)
+    assert isinstance(part, gmm.PartialRows) and part.parts[0].shape == (2, 8, 48)
+    summed = call(rows, weights, split_k=2)
+    np.testing.assert_array_equal(np.asarray(part.materialize()), np.asarray(summed))
+    np.testing.assert_allclose(np.asarray(call(part, nxt)), np.asarray(call(summed, nxt)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("implementation", ["gather", "pallas"])
 def test_dispatcher_expands_fused_inputs_where_the_rows_grid_does_not_run(implementation, monkeypatch):
-    """The dispatcher takes rows_per_token, defer_glu and GluPartials rows everywhere: the Pallas rows grid reads
+    """The dispatcher takes rows_per_token, partial_rows and PartialRows rows everywhere: the Pallas rows grid reads
     them as they are, other implementations (and more rows than the rows grid takes) get the expanded rows and
-    the activation; the results agree. defer_glu without glu is refused."""
+    the activation; the results agree."""
     tokens, (gate, up, down), _, routed, _ = _fused_inputs_problem()
     sizes = jnp.bincount(routed, length=6).astype(jnp.int32)
     if implementation == "pallas":
@@ -323,17 +339,15 @@ def test_dispatcher_expands_fused_inputs_where_the_rows_grid_does_not_run(implem
     call = functools.partial(gmm.grouped_matmul, group_sizes=sizes, row_groups=routed, implementation=implementation,
                              precision=jax.lax.Precision.HIGHEST)
     with jax.default_matmul_precision("highest"):
-        hidden = call(tokens, (gate, up), glu=True, rows_per_token=3, defer_glu=True)
+        hidden = call(tokens, (gate, up), glu=True, rows_per_token=3, partial_rows=True)
         out = call(hidden, down)
-    assert isinstance(hidden, gmm.GluPartials) == (implementation == "pallas")
+    assert isinstance(hidden, gmm.PartialRows) == (implementation == "pallas")
     rows = gmm.token_rows(tokens, 3, extra_rows=False)
     product = functools.partial(gather_matmul, row_groups=routed, precision=jax.lax.Precision.HIGHEST)
     want_hidden = jax.nn.silu(product(rows, gate)) * product(rows, up)
-    materialized = hidden.materialize() if isinstance(hidden, gmm.GluPartials) else hidden
+    materialized = hidden.materialize() if isinstance(hidden, gmm.PartialRows) else hidden
     np.testing.assert_allclose(np.asarray(materialized), np.asarray(want_hidden), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(product(want_hidden, down)), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="defer_glu defers the activation of glu=True"):
-        call(tokens, gate, rows_per_token=3, defer_glu=True)
 
 
 def _dispatcher_problem(implementation, monkeypatch):

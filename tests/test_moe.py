@@ -200,7 +200,7 @@ def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeyp
 def test_moe_rows_fused_inputs_reach_the_rows_grid(shared_in_routed, monkeypatch):
     """moe_rows_fused_inputs (default on): the rows grid gets the tokens (rows_per_token = top-k; with the shared
     expert as routed rows, row ids for the routed rows only) and the down product the gate / up launches'
-    GluPartials; off: the repeated rows, the ids and the activation made first. The same output either way."""
+    PartialRows; off: the repeated rows, the ids and the activation made first. The same output either way."""
     from MaxText.kernels import grouped_matmul as gmm
     from MaxText.kernels.grouped_matmul import pallas_gmm
     options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
@@ -211,7 +211,7 @@ def test_moe_rows_fused_inputs_reach_the_rows_grid(shared_in_routed, monkeypatch
     kernel, seen = pallas_gmm.grouped_matmul, []
 
     def recorded(rows, weights, group_sizes, row_groups, **kwargs):
-        seen.append((isinstance(rows, gmm.GluPartials), rows.shape[0], kwargs["rows_per_token"], row_groups.shape[0]))
+        seen.append((isinstance(rows, gmm.PartialRows), rows.shape[0], kwargs["rows_per_token"], row_groups.shape[0]))
         return kernel(rows, weights, group_sizes, row_groups, interpret=True, **kwargs)
     monkeypatch.setattr(pallas_gmm, "grouped_matmul", recorded)
     x = jnp.asarray(np.random.default_rng(7).normal(size=(1, 3, 32)), jnp.float32)

@@ -105,7 +105,7 @@ class RoutedExperts(nn.Module):
         # with fused_inputs, where K is split, in the down kernel as it loads its rows)
         hidden = matmul(rows, (w_gate, w_up), extra[:2] if extra else None, glu=True,
                         rows_one_launch=cfg.moe_gate_up_one_launch, rows_per_token=top_k if fused_inputs else 0,
-                        defer_glu=fused_inputs)
+                        partial_rows=fused_inputs)
         out = matmul(hidden, w_down, extra[2] if extra else None)  # [rows, D]
         if sort:
             out = jnp.zeros_like(out).at[order].set(out)  # back to token order

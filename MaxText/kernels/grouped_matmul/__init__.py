@@ -127,23 +127,30 @@ def glu_output(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
     return silu_glu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dtype)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["gate", "up"], meta_fields=["dtype"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=["dtype"])
 @dataclasses.dataclass(frozen=True)
-class GluPartials:
-    """Rows given as the SwiGLU activation of unsummed K-split products: glu_output(gate.sum(0), up.sum(0), dtype)
-    [M, K]. gate, up: [S, M, K] (float32 where S > 1). The Pallas `rows` grid computes the activation as it loads
-    each row (no activation kernel between the gate / up launches and the down launch); elsewhere `materialize`.
-    A pytree (dtype static): it passes through jit."""
-    gate: jax.Array
-    up: jax.Array
+class PartialRows:
+    """Rows [..., K] given as the unsummed K-split products of the matmul that made them, for a Pallas matmul that
+    finishes them as it loads its rows (no kernel of their own between the two launches). parts: one [S, ..., K]
+    array (the rows are its sum over S) or two (an MoE's gate and up products: the rows are SiLU(gate) * up of the
+    sums), float32 where S > 1; the rows have `dtype`. `materialize` computes them (elsewhere). A pytree (dtype
+    static); `shape`, `reshape` and `astype` act on the rows it stands for."""
+    parts: tuple
     dtype: Any
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.gate.shape[1:]
+    def shape(self) -> tuple[int, ...]:
+        return self.parts[0].shape[1:]
+
+    def reshape(self, *shape) -> PartialRows:
+        return PartialRows(tuple(part.reshape(part.shape[0], *shape) for part in self.parts), self.dtype)
+
+    def astype(self, dtype) -> PartialRows:
+        return PartialRows(self.parts, jnp.dtype(dtype))
 
     def materialize(self) -> jax.Array:
-        return glu_output(self.gate.sum(axis=0), self.up.sum(axis=0), self.dtype)
+        sums = [part.sum(axis=0) for part in self.parts]
+        return sums[0].astype(self.dtype) if len(sums) == 1 else glu_output(*sums, self.dtype)
 
 
 def token_rows(tokens: jax.Array, rows_per_token: int, extra_rows: bool) -> jax.Array:
@@ -164,7 +171,7 @@ def product_rows(rows, rows_per_token: int, extra_rows: bool) -> int:
 def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None,
                    rows_one_launch: bool = False, glu: bool = False, rows_per_token: int = 0,
-                   defer_glu: bool = False):
+                   partial_rows: bool = False):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
@@ -175,14 +182,13 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
     glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products).
 
     Inputs the Pallas `rows` grid reads as they are (elsewhere they are expanded first, with the same result):
-    rows may be a `GluPartials` (the previous call's deferred activation); rows_per_token > 0: `rows` [T, K] are
+    rows may be `PartialRows` (the previous call's unsummed products); rows_per_token > 0: `rows` [T, K] are
     tokens standing for `token_rows(rows, rows_per_token, extra_rows=extra_weights is not None)` (no repeated copy);
     row_groups may then list only the T * rows_per_token routed rows, the extra rows being of group E.
-    defer_glu (with glu): returns a `GluPartials` where the activation would run as a kernel of its own (K split)."""
+    partial_rows: returns `PartialRows` (with glu: one, of the gate and up products) where the products' sums (and
+    the activation) would be a kernel of their own after the launch."""
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
-    if defer_glu and not glu:
-        raise ValueError("defer_glu defers the activation of glu=True; glu is False")
     num_rows = product_rows(rows, rows_per_token, extra_weights is not None)
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
@@ -190,15 +196,15 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
         raise ValueError(f"extra_weights need the Pallas rows grid (at most {ROWWISE_MAX_ROWS} rows); "
                          f"moe_grouped_matmul={implementation!r} runs {chosen} for {num_rows} rows")
     if chosen != "pallas" or num_rows > ROWWISE_MAX_ROWS:  # only the Pallas rows grid reads these as they are
-        rows = rows.materialize() if isinstance(rows, GluPartials) else rows
+        rows = rows.materialize() if isinstance(rows, PartialRows) else rows
         rows = token_rows(rows, rows_per_token, extra_weights is not None) if rows_per_token else rows
-        rows_per_token, defer_glu = 0, False
+        rows_per_token, partial_rows = 0, False
     if chosen == "pallas":
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
         return pallas_gmm.grouped_matmul(rows, weights if several else weights[0], group_sizes, row_groups,
                                          extra_weights=extra_weights, rows_mma=rows_mma,
                                          rows_one_launch=rows_one_launch, glu=glu, rows_per_token=rows_per_token,
-                                         defer_glu=defer_glu)
+                                         partial_rows=partial_rows)
     product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
                if chosen == "ragged_dot" else
                functools.partial(gather_matmul, row_groups=row_groups, precision=precision))
@@ -265,4 +271,3 @@ def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precisio
                                        pad_rows=pad_rows)  # [M, N] each
         outs = tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
     return outs if several else outs[0]
-

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, GluPartials, as_tuple, check_glu_weights, glu_output,
+from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, PartialRows, as_tuple, check_glu_weights, glu_output,
                                             product_rows, silu_glu)
 from MaxText.kernels.pallas_dot import dot
 
@@ -122,6 +122,11 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     return group, jnp.where(real, start, 0), jnp.where(real, group_end[group], 0)
 
 
+def _finished_rows(sums, dtype):
+    """The rows that PartialRows' part sums (float32) stand for: the one sum, or SiLU(gate) * up of two."""
+    return (sums[0] if len(sums) == 1 else silu_glu(*sums)).astype(dtype)
+
+
 def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, num_weights,
                 glu, precise, masked_rows, interpret):
     w_refs, out_refs = refs[:num_weights], refs[num_weights:]  # one output per weight array (glu: one)
@@ -149,9 +154,9 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_weights, num_groups, mma, glu, glu_rows,
-                    rows_per_token, listed_rows, interpret):
-    """refs: the rows (with glu_rows: the gate and up K-split partial products [S, M, K] of a GluPartials), then
+def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_inputs, num_weights, num_groups, mma, glu,
+                    partial_rows, rows_per_token, listed_rows, interpret):
+    """refs: `num_inputs` row refs (the rows, or with partial_rows the parts [S, M, K] of PartialRows), then
     `num_weights` weight refs, then (with extra weights) one extra weight ref per weight, then the outputs (one per
     weight; glu: one). Each program multiplies its row by every weight array's [K / split_k, block_n] block in one
     loop over K (the row loaded once for all); a row of group g >= num_groups uses the extra weights' matrix
@@ -160,7 +165,7 @@ def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_weights, 
     rows after them token r - T * rows_per_token (`token_rows`). mma: each K block as a tensor-core product of a
     16-row tile holding the row in row 0 (zeros elsewhere), so that Triton pipelines the weight loads as it does for
     products; else float32 FMAs and a reduction over K. glu: stores silu_glu of the two products (split_k 1 only)."""
-    num_inputs, num_outputs = 2 if glu_rows else 1, 1 if glu else num_weights
+    num_outputs = 1 if glu else num_weights
     row_refs, refs = refs[:num_inputs], refs[num_inputs:]
     w_refs, extra_refs, out_refs = refs[:num_weights], refs[num_weights:-num_outputs], refs[-num_outputs:]
     row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -179,10 +184,10 @@ def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_weights, 
     precise = dtype == jnp.float32
 
     def load_row(ks):  # [BK] in the weights' dtype
-        if not glu_rows:
+        if not partial_rows:
             return row_refs[0][source, ks]
-        gate, up = (sum(ref[s, source, ks].astype(jnp.float32) for s in range(ref.shape[0])) for ref in row_refs)
-        return silu_glu(gate, up).astype(dtype)
+        return _finished_rows([sum(ref[s, source, ks].astype(jnp.float32) for s in range(ref.shape[0]))
+                               for ref in row_refs], dtype)
 
     def body(weight_refs, matrix, kb, accs):
         ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
@@ -216,7 +221,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
                    rows_mma: bool | None = None, glu: bool = False, pad_rows: bool = True, extra_weights=None,
-                   rows_per_token: int = 0, defer_glu: bool = False, interpret: bool = False):
+                   rows_per_token: int = 0, partial_rows: bool = False, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -243,10 +248,11 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     the [E, K, N] arrays). Forward only (decode).
     pad_rows: the `tiles` grid pads the rows by block_m so that every tile's row block lies inside the buffer; False
     reads and writes a single group of fewer than block_m rows with masks instead (no pad kernel before the launch).
-    On the `rows` grid only (forward only; the package's `grouped_matmul` documents them): rows as a `GluPartials`
-    (the activation computed as each row is loaded), rows_per_token (tokens read in place of their repeated rows;
-    row_groups may omit the extra rows, of extra group 0), defer_glu (with glu: the K splits' partial products
-    returned as a `GluPartials` instead of summed and activated by a kernel of their own).
+    Forward only (the package's `grouped_matmul` documents them): rows as `PartialRows` (finished as each row is
+    loaded on the `rows` grid; the `tiles` grid materializes them first), partial_rows (the K splits' products
+    returned as `PartialRows` where their sums, or the activation, would be a kernel of their own), and on the
+    `rows` grid only rows_per_token (tokens read in place of their repeated rows; row_groups may omit the extra
+    rows, of extra group 0).
 
     Differentiable (without extra_weights): the backward pass is `jax.lax.ragged_dot`'s (XLA; with glu, of the
     products recomputed), so training gets this kernel's forward and the previous default's gradients."""
@@ -256,14 +262,12 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                ("interpret", interpret))
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
-    if extra_weights is None and not (rows_per_token or defer_glu or isinstance(rows, GluPartials)):
+    if extra_weights is None and not (rows_per_token or partial_rows or isinstance(rows, PartialRows)):
         outs = _grouped_matmul(rows, weights, group_sizes, row_groups, options)
     else:
         extras = as_tuple(extra_weights)[0] if extra_weights is not None else ()
         outs = _launch(rows, weights, group_sizes, row_groups, extra_weights=extras, rows_per_token=rows_per_token,
-                       defer_glu=defer_glu, **dict(options))
-    if isinstance(outs, GluPartials):
-        return outs
+                       partial_rows=partial_rows, **dict(options))
     return outs if several and not glu else outs[0]
 
 
@@ -292,9 +296,9 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
             rowwise_max_rows, rows_one_launch, rows_mma, glu, pad_rows, interpret, extra_weights=(),
-            rows_per_token=0, defer_glu=False):
+            rows_per_token=0, partial_rows=False):
     """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
-    only) -> a tuple of [M, N] products (glu: one array; defer_glu: a GluPartials where K is split)."""
+    only) -> a tuple of [M, N] products (glu: one array; partial_rows: PartialRows where they need finishing)."""
     num_rows = product_rows(rows, rows_per_token, bool(extra_weights))
     contract = rows.shape[1]
     num_groups, _, out_dim = weights[0].shape
@@ -312,8 +316,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"expected one extra weight array [X, {contract}, {out_dim}] per weight array, got "
                          f"{[x.shape for x in extra_weights]} for {len(weights)}")
     rows_grid_only = [name for name, used in (("extra_weights", bool(extra_weights)),
-                                              ("rows_per_token", rows_per_token), ("defer_glu", defer_glu),
-                                              ("GluPartials rows", isinstance(rows, GluPartials))) if used]
+                                              ("rows_per_token", rows_per_token)) if used]
     if rows_grid_only and num_rows > rowwise_max_rows:
         raise ValueError(f"{' and '.join(rows_grid_only)} need the rows grid (M <= rowwise_max_rows="
                          f"{rowwise_max_rows}), got M={num_rows}")
@@ -342,13 +345,12 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
                                  params=params, one_launch=rows_one_launch, mma=rows_mma, glu=glu_in_kernel,
                                  interpret=interpret, extra_weights=extra_weights, num_rows=num_rows,
                                  rows_per_token=rows_per_token)
-        if glu and defer_glu and not glu_in_kernel:
-            return GluPartials(*outs, rows.dtype)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers,
         # or (one group of fewer than block_m rows, without pad_rows: its one tile starts at row 0) read and write
         # the block with masks, with no pad kernel before the launch.
+        rows = rows.materialize() if isinstance(rows, PartialRows) else rows  # the rows grid finishes them itself
         masked_rows = not pad_rows and num_groups == 1 and num_rows < block_m
         padded = rows if masked_rows else jnp.pad(rows, ((0, block_m), (0, 0)))  # [M (+ BM), K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
@@ -365,6 +367,8 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
             name="grouped_matmul_tiles",
         )(group, start, end, padded, *weights)
         outs = tuple(out[:, :num_rows] for out in outs)
+    if partial_rows and (glu and not glu_in_kernel or split_k > 1):  # the consumer finishes them
+        return (PartialRows(outs, rows.dtype),) if glu else tuple(PartialRows((out,), rows.dtype) for out in outs)
     sums = tuple(out[0] if split_k == 1 else out.sum(axis=0) for out in outs)  # float32 where K was split
     if glu and not glu_in_kernel:
         return (glu_output(*sums, rows.dtype),)
@@ -381,25 +385,25 @@ def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, p
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
     rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (glu, one_launch
     and split_k 1 only: one silu_glu output instead). extra_weights: () or one [X, K, N] array per weight array, for
-    rows of groups E...E+X-1. rows: an array or a GluPartials; num_rows: the product rows M (default rows');
+    rows of groups E...E+X-1. rows: an array or PartialRows; num_rows: the product rows M (default rows');
     rows_per_token: `grouped_matmul`'s; out_dtype: the products' (default `_partial_dtype`)."""
     num_rows = num_rows or rows.shape[0]
     contract = rows.shape[1]
     num_groups, _, out_dim = weights[0].shape
     per_launch = len(weights) if one_launch else 1
-    glu_rows = isinstance(rows, GluPartials)
+    inputs = rows.parts if isinstance(rows, PartialRows) else (rows,)
     listed = row_groups.shape[0]
     out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), out_dtype or _partial_dtype(rows.dtype, split_k))
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
-                          num_weights=per_launch, num_groups=num_groups, mma=mma, glu=glu, glu_rows=glu_rows,
+                          num_inputs=len(inputs), num_weights=per_launch, num_groups=num_groups, mma=mma, glu=glu,
+                          partial_rows=isinstance(rows, PartialRows),
                           rows_per_token=rows_per_token, listed_rows=None if listed == num_rows else listed,
                           interpret=interpret),
         out_shape=(out_shape,) * (1 if glu else per_launch),
         grid=(num_rows, out_dim // block_n, split_k), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
     groups = row_groups.astype(jnp.int32)
-    inputs = (rows.gate, rows.up) if glu_rows else (rows,)
     if one_launch:
         return call(groups, *inputs, *weights, *extra_weights)
     extras = [(x,) for x in extra_weights] or [()] * len(weights)
