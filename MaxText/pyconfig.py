@@ -37,6 +37,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "dense_matmul_grid": ("tiles", "rows"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
     "mla_kernel": ("auto", "xla", "pallas"),
+    "norm_kernel": ("auto", "xla", "pallas"),
     "moe_rows_product": ("auto", "tensor_cores", "fma"),
     "decode_graph_scheduling": GRAPH_SCHEDULING_CHOICES,
     "speculative": ("none", "ngram", "draft_model"),

@@ -7,12 +7,15 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from MaxText.kernels.rms_norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """y = scale * (x / sqrt(mean(x^2) + eps)), the normalization computed in float32.
 
     The normalized value is cast to x's dtype before the multiply (HF semantics), so the output has x's dtype
-    when `scale` (stored in `weight_dtype`) is cast to it. Param: `scale` [features], initialized to ones.
+    when `scale` (stored in `weight_dtype`) is cast to it. Param: `scale` [features], initialized to ones. Computed
+    by `config.norm_kernel` (MaxText/kernels/rms_norm: a Pallas kernel for a decode step's rows on a GPU).
     """
     config: ml_collections.FrozenConfigDict
     epsilon: float | None = None  # None: config.normalization_layer_epsilon
@@ -23,6 +26,4 @@ class RMSNorm(nn.Module):
         eps = self.config.normalization_layer_epsilon if self.epsilon is None else self.epsilon
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.scale_axis,)),
                            (x.shape[-1],), jnp.dtype(self.config.weight_dtype))
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return scale.astype(x.dtype) * normed.astype(x.dtype)
+        return rms_norm(x, scale, epsilon=eps, implementation=self.config.norm_kernel)

@@ -130,11 +130,11 @@ def glu_output(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=["dtype"])
 @dataclasses.dataclass(frozen=True)
 class PartialRows:
-    """Rows [..., K] given as the unsummed K-split products of the matmul that made them, for a Pallas matmul that
-    finishes them as it loads its rows (no kernel of their own between the two launches). parts: one [S, ..., K]
+    """Rows [M, K] given as the unsummed K-split products of the matmul that made them, for a Pallas matmul that
+    finishes them as it loads its rows (no kernel of their own between the two launches). parts: one [S, M, K]
     array (the rows are its sum over S) or two (an MoE's gate and up products: the rows are SiLU(gate) * up of the
     sums), float32 where S > 1; the rows have `dtype`. `materialize` computes them (elsewhere). A pytree (dtype
-    static); `shape`, `reshape` and `astype` act on the rows it stands for."""
+    static); `shape` is the rows'."""
     parts: tuple
     dtype: Any
 
@@ -142,15 +142,15 @@ class PartialRows:
     def shape(self) -> tuple[int, ...]:
         return self.parts[0].shape[1:]
 
-    def reshape(self, *shape) -> PartialRows:
-        return PartialRows(tuple(part.reshape(part.shape[0], *shape) for part in self.parts), self.dtype)
-
-    def astype(self, dtype) -> PartialRows:
-        return PartialRows(self.parts, jnp.dtype(dtype))
-
     def materialize(self) -> jax.Array:
-        sums = [part.sum(axis=0) for part in self.parts]
-        return sums[0].astype(self.dtype) if len(sums) == 1 else glu_output(*sums, self.dtype)
+        return finished_rows([part.sum(axis=0) for part in self.parts], self.dtype)
+
+
+def finished_rows(sums, dtype) -> jax.Array:
+    """The rows that PartialRows' part sums stand for, in `dtype`: the one sum, or SiLU(gate) * up of two (in
+    float32)."""
+    sums = [part_sum.astype(jnp.float32) for part_sum in sums]
+    return (sums[0] if len(sums) == 1 else silu_glu(*sums)).astype(dtype)
 
 
 def token_rows(tokens: jax.Array, rows_per_token: int, extra_rows: bool) -> jax.Array:

@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, PartialRows, as_tuple, check_glu_weights, glu_output,
-                                            product_rows, silu_glu)
+from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, PartialRows, as_tuple, check_glu_weights,
+                                            finished_rows, glu_output, product_rows, silu_glu)
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
@@ -122,11 +122,6 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     return group, jnp.where(real, start, 0), jnp.where(real, group_end[group], 0)
 
 
-def _finished_rows(sums, dtype):
-    """The rows that PartialRows' part sums (float32) stand for: the one sum, or SiLU(gate) * up of two."""
-    return (sums[0] if len(sums) == 1 else silu_glu(*sums)).astype(dtype)
-
-
 def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, num_weights,
                 glu, precise, masked_rows, interpret):
     w_refs, out_refs = refs[:num_weights], refs[num_weights:]  # one output per weight array (glu: one)
@@ -186,8 +181,8 @@ def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_inputs, n
     def load_row(ks):  # [BK] in the weights' dtype
         if not partial_rows:
             return row_refs[0][source, ks]
-        return _finished_rows([sum(ref[s, source, ks].astype(jnp.float32) for s in range(ref.shape[0]))
-                               for ref in row_refs], dtype)
+        return finished_rows([sum(ref[s, source, ks].astype(jnp.float32) for s in range(ref.shape[0]))
+                              for ref in row_refs], dtype)
 
     def body(weight_refs, matrix, kb, accs):
         ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)

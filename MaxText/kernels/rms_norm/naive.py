@@ -1,0 +1,14 @@
+"""The oracle: HF `KimiLinearRMSNorm` in plain JAX."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
+    """x [..., D], scale [D] -> scale * (x / sqrt(mean(x^2) + epsilon)) [..., D] in x's dtype: normalized in float32,
+    cast to x's dtype, then times scale cast to x's dtype (HF semantics)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)

@@ -1,0 +1,88 @@
+"""RMSNorm (MaxText/kernels/rms_norm): the Pallas kernel through the interpreter on CPU against the oracle, its
+gradients, the dispatcher's choices and errors, and the RMSNorm layer taking the kernel when it resolves to it. The
+Triton compile and the GPU speed are checked by benchmarks/model_decode.py (`--decode-variants '' norm_kernel=xla`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import pyconfig
+from MaxText.kernels import grouped_matmul, rms_norm as norms
+from MaxText.kernels.rms_norm import naive, pallas_norm
+from MaxText.layers.normalizations import RMSNorm
+
+
+def _inputs(rows, dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(rows, dim)) * 3.0, dtype)
+    scale = jnp.asarray(rng.normal(size=(dim,)), dtype)
+    return x, scale
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 2304), (3, 512), (5, 100)])  # 100: a row padded to 128 with masks
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_pallas_rms_norm_matches_the_oracle(rows, dim, dtype):
+    x, scale = _inputs(rows, dim, dtype)
+    got = pallas_norm.rms_norm(x, scale, 1e-6, True)
+    want = naive.rms_norm(x, scale, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == jnp.bfloat16:  # the same float32 arithmetic, then HF's casts: equal but for a sum order's ulp
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=8e-3, atol=1e-6)
+        assert np.mean(np.asarray(got) != np.asarray(want)) < 0.01
+    else:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_pallas_rms_norm_gradients_are_the_oracles():
+    x, scale = _inputs(2, 256, jnp.float32, seed=1)
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=x.shape), jnp.float32)
+
+    def loss(fn):
+        return lambda x, scale: jnp.sum(fn(x, scale) * cotangent)
+    got = jax.grad(loss(lambda x, s: pallas_norm.rms_norm(x, s, 1e-6, True)), argnums=(0, 1))(x, scale)
+    want = jax.grad(loss(lambda x, s: naive.rms_norm(x, s, 1e-6)), argnums=(0, 1))(x, scale)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_limits_and_dispatcher(monkeypatch):
+    x, scale = _inputs(2, 64, jnp.float32)
+    with pytest.raises(ValueError, match=r"expected x \[M, D\] and scale \[D\], got \(2, 64\) and \(32,\)"):
+        pallas_norm.rms_norm(x, scale[:32], 1e-6, True)
+    with pytest.raises(ValueError, match="bfloat16 or float32 rows, got float16"):
+        pallas_norm.rms_norm(x.astype(jnp.float16), scale, 1e-6, True)
+    assert "at most 16384" in pallas_norm.unsupported_reason(jnp.bfloat16, 20000)
+    assert norms.resolve("auto", jnp.bfloat16, 2304, 1) == "xla"  # CPU
+    with pytest.raises(ValueError, match="norm_kernel='cuda' is unknown"):
+        norms.resolve("cuda", jnp.bfloat16, 2304, 1)
+    with pytest.raises(RuntimeError, match="norm_kernel=pallas was requested, but .*NVIDIA GPU"):
+        norms.resolve("pallas", jnp.bfloat16, 2304, 1)
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)  # as on one GPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert norms.resolve("auto", jnp.bfloat16, 2304, 1) == "pallas"
+    assert norms.resolve("auto", jnp.bfloat16, 2304, 2) == "xla"  # more rows than batch-1 decode: XLA's fusions
+    assert norms.resolve("pallas", jnp.bfloat16, 2304, 64) == "pallas"
+    assert norms.resolve("auto", jnp.float16, 2304, 1) == "xla"  # unsupported dtype: the fallback
+
+
+def test_rms_norm_layer_takes_the_kernel_when_resolved(monkeypatch):
+    """RMSNorm with norm_kernel resolved to pallas (the kernel run by the interpreter here, as on one GPU) gives the
+    xla layer's output for a [B, T, D] decode input; the same param."""
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"emb_dim": 256})
+    assert config.norm_kernel == "auto"  # the default
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 1, 256)), jnp.bfloat16)
+    layer = RMSNorm(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"emb_dim": 256, "norm_kernel": "xla"}))
+    params = layer.init(jax.random.PRNGKey(0), x)
+    params = jax.tree.map(lambda p: p * 1.5 + 0.25, params)
+    want = layer.apply(params, x)
+    calls, kernel = [], pallas_norm.rms_norm
+
+    def interpreted(x, scale, epsilon):
+        calls.append(x.shape)
+        return kernel(x, scale, epsilon, True)
+    monkeypatch.setattr(norms, "resolve", lambda *a: "pallas")
+    monkeypatch.setattr(pallas_norm, "rms_norm", interpreted)
+    got = RMSNorm(config).apply(params, x)
+    assert calls == [(2, 256)]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=8e-3, atol=1e-6)
