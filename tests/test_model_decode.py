@@ -234,3 +234,23 @@ def test_cache_checksum_sees_every_bit_and_position():
     assert model_decode.cache_checksum({**cache, "latent": cache["latent"].at[1, 3].set(one_bit)}) != base
     assert model_decode.cache_checksum({**cache, "state": cache["state"][::-1]}) != base  # same values, moved
     assert model_decode.cache_checksum({**cache, "mask": ~cache["mask"]}) != base
+
+
+def test_device_op_times_name_many_streams_by_count():
+    """A CUDA graph's kernels come on many streams: the profile's source names them by count past four; the ops'
+    launches and times are read from every stream."""
+    class Item:  # a trace's plane, line or event (hashable by identity, as the profiler's objects are)
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    def plane(streams):
+        event = Item(name="fusion_1", stats=[("hlo_module", model_decode.DECODE_MODULE), ("hlo_op", "f")],
+                     start_ns=0, duration_ns=1000)
+        lines = [Item(name=f"Stream #{i}", events=[event]) for i in range(streams)]
+        return model_decode.Trace("trace", [Item(name="/device:GPU:0", lines=lines)])
+
+    many = model_decode.device_op_times(plane(6), model_decode.DECODE_MODULE, accelerator=True)
+    assert many.source == "/device:GPU:0: 6 lines (Stream #0, ...)"
+    assert many.launches == {"f": 6}
+    few = model_decode.device_op_times(plane(2), model_decode.DECODE_MODULE, accelerator=True)
+    assert few.source == "/device:GPU:0: Stream #0, Stream #1"
