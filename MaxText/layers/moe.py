@@ -88,7 +88,7 @@ class RoutedExperts(nn.Module):
             rows = x.astype(dtype)[order // top_k]  # [N*k, D]
         else:  # in token order: each row meets its own expert's weights whatever the order
             row_experts = pair_experts
-            rows = x.astype(dtype) if fused_inputs else jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N(*k), D]
+            rows = x.astype(dtype) if fused_inputs else jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N or N*k, D]
         extra = None
         if shared_kernels is not None:  # the shared expert: group E, rows N*k ... N*k + N - 1 (one per token)
             if not fused_inputs:

@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
 
     The normalized value is cast to x's dtype before the multiply (HF semantics), so the output has x's dtype
     when `scale` (stored in `weight_dtype`) is cast to it. Param: `scale` [features], initialized to ones. Computed
-    by `config.norm_kernel` (MaxText/kernels/rms_norm: a Pallas kernel for a decode step's rows on a GPU).
+    by `config.norm_kernel` (MaxText/kernels/rms_norm: a Pallas kernel for a batch-1 decode step's row on a GPU).
     """
     config: ml_collections.FrozenConfigDict
     epsilon: float | None = None  # None: config.normalization_layer_epsilon

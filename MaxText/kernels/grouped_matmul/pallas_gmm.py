@@ -345,7 +345,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers,
         # or (one group of fewer than block_m rows, without pad_rows: its one tile starts at row 0) read and write
         # the block with masks, with no pad kernel before the launch.
-        rows = rows.materialize() if isinstance(rows, PartialRows) else rows  # the rows grid finishes them itself
+        rows = rows.materialize() if isinstance(rows, PartialRows) else rows  # (only the rows grid loads parts)
         masked_rows = not pad_rows and num_groups == 1 and num_rows < block_m
         padded = rows if masked_rows else jnp.pad(rows, ((0, block_m), (0, 0)))  # [M (+ BM), K]
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
