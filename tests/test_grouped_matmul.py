@@ -328,8 +328,7 @@ def test_partial_rows_of_one_product_are_summed_by_the_next(rowwise_max_rows):
 @pytest.mark.parametrize("implementation", ["gather", "pallas"])
 def test_dispatcher_expands_fused_inputs_where_the_rows_grid_does_not_run(implementation, monkeypatch):
     """The dispatcher takes rows_per_token, partial_rows and PartialRows rows everywhere: the Pallas rows grid reads
-    them as they are, other implementations (and more rows than the rows grid takes) get the expanded rows and
-    the activation; the results agree."""
+    them as they are, other implementations get the expanded rows and the activation; the results agree."""
     tokens, (gate, up, down), _, routed, _ = _fused_inputs_problem()
     sizes = jnp.bincount(routed, length=6).astype(jnp.int32)
     if implementation == "pallas":
