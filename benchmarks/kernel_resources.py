@@ -85,7 +85,7 @@ def kernel_variants():
     for block_v, warps in ((128, 4), (128, 16), (64, 2), (64, 4), (64, 8), (32, 4)):
         variants[f"packed decode bv{block_v} w{warps}"] = (
             warps, 1, lambda *a, bv=block_v, w=warps: pallas_ops.packed_decode_kda(
-                *a, num_heads=H, head_dim=K, block_v=bv, num_warps=w), decode)
+                *a, num_heads=H, head_dim=K, kernel="triton", block_v=bv, num_warps=w), decode)
     for tokens, parts in ((1, 18), (64, 1)):  # decode: 18 partial sums of the product (D = 2304)
         variants[f"moe route {tokens} tokens"] = (1, 1, lambda *a: pallas_route.route_logits(
             *a, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446), (S((parts, tokens, 256), f32),

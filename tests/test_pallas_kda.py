@@ -2,12 +2,13 @@
 
 Covered in interpret mode: the chunked prefill kernels (pallas_chunk.intra + recurrence, via pallas_ops.chunk_kda:
 fp32 and bf16, l2norm and gate in kernel, initial / final state, T not a multiple of 64, cu_seqlens packs), the
-packed in-place decode kernel (pallas_decode, via pallas_ops.packed_decode_kda and fused_recurrent_kda) with
-padding rows, the speculative verify kernel (pallas_verify, via pallas_ops.recurrent_kda_checkpoints) with fp32 and
-bf16 checkpoints and writing a state ring in place (recurrent_kda_ring_checkpoints), and the serving kernels under
-shard_map on a 4-device CPU mesh (a subprocess). Interpret mode
-checks the kernels' semantics; the Triton compilation and the GPU numerics (bf16 tensor cores, 3-pass tf32) are
-checked by benchmarks/kda_kernels.py and benchmarks/kda_verify.py on the GPU.
+packed in-place decode kernels (pallas_decode, via pallas_ops.packed_decode_kda and fused_recurrent_kda; and
+mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there) with padding rows, the speculative
+verify kernel (pallas_verify, via pallas_ops.recurrent_kda_checkpoints) with fp32 and bf16 checkpoints and writing a
+state ring in place (recurrent_kda_ring_checkpoints), and the serving kernels under shard_map on a 4-device CPU mesh
+(a subprocess). Interpret mode checks the kernels' semantics; the Triton / Mosaic GPU compilation, the Mosaic
+kernel's in-place update and the GPU numerics (bf16 tensor cores, 3-pass tf32) are checked by
+benchmarks/kda_kernels.py and benchmarks/kda_verify.py on the GPU.
 """
 
 import functools
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from MaxText.kernels import kda as kda_kernels
-from MaxText.kernels.kda import pallas_ops
+from MaxText.kernels.kda import mosaic_decode, pallas_ops
 from MaxText.kernels.kda.naive import naive_recurrent_kda
 from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference
 from MaxText.kernels.kda.verify import recurrent_kda_checkpoints, recurrent_kda_ring_checkpoints
@@ -220,6 +221,56 @@ def test_packed_decode_default_tile_by_batch(batch, grid):
     jaxpr = str(jax.make_jaxpr(functools.partial(pallas_ops.packed_decode_kda, num_heads=H, head_dim=K,
                                                  interpret=True))(**x, slot_indices=slots))
     assert f"grid=({', '.join(map(str, grid))})" in jaxpr
+
+
+@pytest.mark.parametrize("in_dtype, out_dtype, tol", [(jnp.float32, None, 1e-5), (jnp.bfloat16, jnp.float32, 1e-5)])
+def test_mosaic_decode_interpret_matches_reference_and_keeps_padding_rows(in_dtype, out_dtype, tol):
+    """The Mosaic GPU kernel (kernel="mosaic", Mosaic GPU's interpreter): 3 rows x 2 heads on 2 persistent programs
+    with 2 shared-memory stages (each program refills a stage), a padding row, over 3 steps."""
+    H, K, V, S = 2, 128, 128, 5
+    rng = np.random.default_rng(11)
+    slots = jnp.asarray([4, -1, 1], jnp.int32)
+    x = _decode_inputs(rng, 3, H, K, V, S)
+    pool0 = np.asarray(x["state_pool"])
+    ref_pool, our_pool = x.pop("state_pool"), jnp.asarray(pool0)
+    for _ in range(3):
+        x = {name: value.astype(in_dtype) if name in ("mixed_qkv", "a", "b") else value
+             for name, value in _decode_inputs(rng, 3, H, K, V, S).items() if name != "state_pool"}
+        o_ref, ref_pool = packed_decode_kda_reference(**x, state_pool=ref_pool, slot_indices=slots, num_heads=H,
+                                                      head_dim=K, out_dtype=out_dtype)
+        o, our_pool = mosaic_decode.decode_call(**x, state_pool=our_pool, slot_indices=slots, num_heads=H,
+                                                head_dim=K, scale=K ** -0.5, out_dtype=out_dtype, stages=2,
+                                                interpret=True)
+        assert o.dtype == o_ref.dtype
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32), atol=tol, rtol=tol)
+        assert np.all(np.asarray(o)[1] == 0.0), "the padding row must output zeros"
+    np.testing.assert_allclose(our_pool, ref_pool, atol=tol, rtol=tol)
+    untouched = [0, 2, 3]
+    assert np.array_equal(np.asarray(our_pool)[untouched], pool0[untouched]), "rows outside the batch changed"
+
+
+def test_packed_decode_takes_the_mosaic_kernel_when_asked(monkeypatch):
+    """pallas_ops.packed_decode_kda(kernel="mosaic") runs mosaic_decode (interpreted here) with the dispatcher's
+    scale; on CPU the default stays the Triton kernel (decode_kernel needs a Hopper GPU); other dims are an error."""
+    H, K, V, S = 2, 128, 128, 3
+    x = _decode_inputs(np.random.default_rng(12), 2, H, K, V, S)
+    slots = jnp.asarray([2, 0], jnp.int32)
+    assert pallas_ops.decode_kernel(256, K, V) == "triton"  # no GPU here
+    calls = []
+    monkeypatch.setattr(mosaic_decode, "decode_step",
+                        lambda *args, **kwargs: calls.append(kwargs) or mosaic_decode.decode_call(*args, **kwargs))
+    o, pool = pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, kernel="mosaic",
+                                           interpret=True)
+    o_ref, pool_ref = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K)
+    assert len(calls) == 1 and calls[0]["scale"] == K ** -0.5
+    assert_close(o, o_ref)
+    assert_close(pool, pool_ref)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, kernel="cuda")
+    small = _decode_inputs(np.random.default_rng(13), 2, H, 32, 32, S)
+    with pytest.raises(ValueError, match="needs K = V = 128"):
+        pallas_ops.packed_decode_kda(**small, slot_indices=slots, num_heads=H, head_dim=32, kernel="mosaic",
+                                     interpret=True)
 
 
 def test_packed_decode_reference_matches_naive_step():

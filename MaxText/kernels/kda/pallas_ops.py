@@ -4,13 +4,15 @@
     o, final_state = chunk_kda(q, k, v, g, beta, **fla-style kwargs)           # prefill: pallas_chunk.py
     o, final_state = fused_recurrent_kda(q, k, v, g, beta, **same kwargs)      # decode:  pallas_decode.py
     o, new_pool = packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                    num_heads=H, head_dim=K, scale=None)        # serving decode (seed 004)
+                                    num_heads=H, head_dim=K, scale=None)        # serving decode (seed 004):
+                                                             # pallas_decode.py, or mosaic_decode.py (decode_kernel)
     o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, **kwargs)  # verify: pallas_verify.py
     o, state_ring = recurrent_kda_ring_checkpoints(q, k, v, g, beta, state_ring=R, state_slot=s, **kwargs)  # in place
 
-All are GPU kernels written with the Pallas Triton lowering. Each takes `interpret=False`; with True they run in
-the Pallas interpreter on any backend (the CPU tests use that at small shapes). Semantics are those of
-`naive.naive_recurrent_kda`, `packed_decode.packed_decode_kda_reference` and
+All are GPU kernels written with the Pallas Triton lowering, but for the packed decode's Mosaic GPU kernel (Hopper,
+from 64 rows). Each takes `interpret=False`; with True they run in the Pallas interpreter on any backend (the CPU
+tests use that at small shapes; the packed decode then takes its Triton kernel unless asked for
+`kernel="mosaic"`). Semantics are those of `naive.naive_recurrent_kda`, `packed_decode.packed_decode_kda_reference` and
 `verify.recurrent_kda_checkpoints` / `verify.recurrent_kda_ring_checkpoints`.
 """
 
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify, verify
+from MaxText.kernels.kda import mosaic_decode, pallas_chunk, pallas_decode, pallas_verify, verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
 from MaxText.kernels.kda.packed_decode import check_packed_inputs
 
@@ -186,9 +188,25 @@ def decode_tile(batch: int) -> tuple[int, int, bool]:
     return (32, 4, False) if batch < 32 else (64, 4, True)
 
 
+DECODE_KERNELS = ("triton", "mosaic")
+MOSAIC_DECODE_MIN_ROWS = 64
+
+
+def decode_kernel(batch: int, head_dim: int, value_dim: int) -> str:
+    """The packed decode kernel for `batch` rows: 'mosaic' (mosaic_decode.py) from 64 rows at K = V = 128 on a Hopper
+    GPU, else 'triton' (pallas_decode.py). Measured on an H200 (H = 32, benchmarks/RESULTS.md, fifteenth session):
+    at 64 / 128 / 256 rows the Mosaic kernel's step is 1-3% shorter, at 1 / 8 rows longer (5.2 vs 2.3 us, 10.1 vs
+    8.7), at 32 rows even."""
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+    if hopper and batch >= MOSAIC_DECODE_MIN_ROWS and head_dim == value_dim == mosaic_decode.HEAD_DIM:
+        return "mosaic"
+    return "triton"
+
+
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
-                      scale: float | None = None, out_dtype=None, interpret: bool = False, block_v: int | None = None,
-                      num_warps: int | None = None, columns_fastest: bool | None = None):
+                      scale: float | None = None, out_dtype=None, interpret: bool = False, kernel: str | None = None,
+                      block_v: int | None = None, num_warps: int | None = None, columns_fastest: bool | None = None):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -196,19 +214,29 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
-    Reference semantics: `packed_decode.packed_decode_kda_reference`. block_v, num_warps, columns_fastest: the
-    kernel's tile and launch order (default `decode_tile(B)`).
+    Reference semantics: `packed_decode.packed_decode_kda_reference`. kernel: 'triton' | 'mosaic' (default
+    `decode_kernel`). block_v, num_warps, columns_fastest: the Triton kernel's tile and launch order (default
+    `decode_tile(B)`).
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    default_block_v, default_warps, default_order = decode_tile(mixed_qkv.shape[0])
+    out_dtype = None if out_dtype is None else jnp.dtype(out_dtype)
+    batch = mixed_qkv.shape[0]
+    kernel = kernel or ("triton" if interpret else decode_kernel(batch, head_dim, layout.value_dim))
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
+    if kernel == "mosaic":
+        return mosaic_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
+                                         num_heads=num_heads, head_dim=head_dim, scale=scale, out_dtype=out_dtype,
+                                         interpret=interpret)
+    default_block_v, default_warps, default_order = decode_tile(batch)
     block_v = min(block_v or default_block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
                                      num_warps=num_warps or default_warps,
                                      columns_fastest=default_order if columns_fastest is None else columns_fastest,
-                                     out_dtype=None if out_dtype is None else jnp.dtype(out_dtype), interpret=interpret)
+                                     out_dtype=out_dtype, interpret=interpret)
 
 
 def _recurrent_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
