@@ -332,13 +332,13 @@ def bench_decode(B, args, results, copy_bw):
             return pool, acc
         return jax.jit(run, donate_argnums=(0,))
 
+    row["kernel"] = "triton" if args.sweep else pallas_ops.decode_kernel(B, K, V)
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
-    row["kernel"] = pallas_ops.decode_kernel(B, K, V)
     if row["kernel"] != "triton":  # the Triton kernel's time beside the chosen one's
         variants["pallas_triton"] = dict(kernel="triton")
-    if args.sweep:  # block_v, warps; cols: a head's value blocks launched side by side (columns_fastest)
-        variants = {f"pallas_bv{bv}_w{nw}" + ("_cols" if cols else ""): dict(block_v=bv, num_warps=nw,
-                                                                            columns_fastest=cols)
+    if args.sweep:  # Triton tiles: block_v, warps; cols: a head's value blocks launched side by side
+        variants = {f"pallas_bv{bv}_w{nw}" + ("_cols" if cols else ""): dict(kernel="triton", block_v=bv,
+                                                                            num_warps=nw, columns_fastest=cols)
                     for bv, nw, cols in ((64, 2, False), (64, 2, True), (64, 4, True), (128, 4, False),
                                          (128, 4, True), (128, 8, True), (32, 4, True))}
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))

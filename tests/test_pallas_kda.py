@@ -251,7 +251,8 @@ def test_mosaic_decode_interpret_matches_reference_and_keeps_padding_rows(in_dty
 
 def test_packed_decode_takes_the_mosaic_kernel_when_asked(monkeypatch):
     """pallas_ops.packed_decode_kda(kernel="mosaic") runs mosaic_decode (interpreted here) with the dispatcher's
-    scale; on CPU the default stays the Triton kernel (decode_kernel needs a Hopper GPU); other dims are an error."""
+    scale; on CPU the default stays the Triton kernel (decode_kernel needs a Hopper GPU); other dims, an unknown
+    kernel and the Triton kernel's tile options are errors."""
     H, K, V, S = 2, 128, 128, 3
     x = _decode_inputs(np.random.default_rng(12), 2, H, K, V, S)
     slots = jnp.asarray([2, 0], jnp.int32)
@@ -265,6 +266,8 @@ def test_packed_decode_takes_the_mosaic_kernel_when_asked(monkeypatch):
     assert len(calls) == 1 and calls[0]["scale"] == K ** -0.5
     assert_close(o, o_ref)
     assert_close(pool, pool_ref)
+    with pytest.raises(ValueError, match="block_v: options of the Triton decode kernel"):
+        pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, kernel="mosaic", block_v=64)
     with pytest.raises(ValueError, match="kernel must be one of"):
         pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, kernel="cuda")
     small = _decode_inputs(np.random.default_rng(13), 2, H, 32, 32, S)

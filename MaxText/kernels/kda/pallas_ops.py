@@ -195,8 +195,8 @@ MOSAIC_DECODE_MIN_ROWS = 64
 def decode_kernel(batch: int, head_dim: int, value_dim: int) -> str:
     """The packed decode kernel for `batch` rows: 'mosaic' (mosaic_decode.py) from 64 rows at K = V = 128 on a Hopper
     GPU, else 'triton' (pallas_decode.py). Measured on an H200 (H = 32, benchmarks/RESULTS.md, fifteenth session):
-    at 64 / 128 / 256 rows the Mosaic kernel's step is 1-3% shorter, at 1 / 8 rows longer (5.2 vs 2.3 us, 10.1 vs
-    8.7), at 32 rows even."""
+    at 64 / 128 / 256 rows the Mosaic kernel's step is 1-3% shorter; its first form was longer at 1 / 8 rows (5.2 vs
+    2.3 us, 10.1 vs 8.7) and even at 32."""
     device = jax.devices()[0]
     hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
     if hopper and batch >= MOSAIC_DECODE_MIN_ROWS and head_dim == value_dim == mosaic_decode.HEAD_DIM:
@@ -227,6 +227,9 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     if kernel == "mosaic":
+        triton_options = {"block_v": block_v, "num_warps": num_warps, "columns_fastest": columns_fastest}
+        if given := [name for name, value in triton_options.items() if value is not None]:
+            raise ValueError(f"{', '.join(given)}: options of the Triton decode kernel, not of kernel='mosaic'")
         return mosaic_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                          num_heads=num_heads, head_dim=head_dim, scale=scale, out_dtype=out_dtype,
                                          interpret=interpret)
