@@ -3,7 +3,8 @@
 Covered in interpret mode: the chunked prefill kernels (pallas_chunk.intra + recurrence, via pallas_ops.chunk_kda:
 fp32 and bf16, l2norm and gate in kernel, initial / final state, T not a multiple of 64, cu_seqlens packs), the
 packed in-place decode kernels (pallas_decode, via pallas_ops.packed_decode_kda and fused_recurrent_kda; and
-mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there) with padding rows, the speculative
+mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there, and its GPU path lowered for CUDA with the
+pool aliased in place) with padding rows, the speculative
 verify kernel (pallas_verify, via pallas_ops.recurrent_kda_checkpoints) with fp32 and bf16 checkpoints and writing a
 state ring in place (recurrent_kda_ring_checkpoints), and the serving kernels under shard_map on a 4-device CPU mesh
 (a subprocess). Interpret mode checks the kernels' semantics; the Triton / Mosaic GPU compilation, the Mosaic
@@ -247,6 +248,21 @@ def test_mosaic_decode_interpret_matches_reference_and_keeps_padding_rows(in_dty
     np.testing.assert_allclose(our_pool, ref_pool, atol=tol, rtol=tol)
     untouched = [0, 2, 3]
     assert np.array_equal(np.asarray(our_pool)[untouched], pool0[untouched]), "rows outside the batch changed"
+
+
+def test_mosaic_decode_lowers_for_cuda_updating_the_donated_pool_in_place():
+    """The GPU path (no interpreter), lowered for CUDA on this CPU machine: one Mosaic GPU kernel whose pool operand
+    (the JAX Ref over the donated pool) is aliased to the pool it returns, so the step writes no second pool."""
+    H, K, B, S = 2, 128, 3, 5
+    x = _decode_inputs(np.random.default_rng(14), B, H, K, K, S)
+    slots = jnp.asarray([4, -1, 1], jnp.int32)
+    lowered = mosaic_decode.decode_step.trace(**x, slot_indices=slots, num_heads=H, head_dim=K, scale=K ** -0.5,
+                                              programs=4).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    # operands: the 6 inputs, then the pool (index 6); results: o, then the pool (index 1)
+    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 6," in text
+    assert "tensor<5x2x128x128xf32> {tf.aliasing_output = 1 : i32}" in text  # the donated pool is the output buffer
 
 
 def test_packed_decode_takes_the_mosaic_kernel_when_asked(monkeypatch):
