@@ -2,14 +2,14 @@
 
 Covered in interpret mode: the chunked prefill kernels (pallas_chunk.intra + recurrence, via pallas_ops.chunk_kda:
 fp32 and bf16, l2norm and gate in kernel, initial / final state, T not a multiple of 64, cu_seqlens packs), the
-packed in-place decode kernels (pallas_decode, via pallas_ops.packed_decode_kda and fused_recurrent_kda; and
-mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there, and its GPU path lowered for CUDA with the
-pool aliased in place) with padding rows, the speculative
-verify kernel (pallas_verify, via pallas_ops.recurrent_kda_checkpoints) with fp32 and bf16 checkpoints and writing a
-state ring in place (recurrent_kda_ring_checkpoints), and the serving kernels under shard_map on a 4-device CPU mesh
-(a subprocess). Interpret mode checks the kernels' semantics; the Triton / Mosaic GPU compilation, the Mosaic
-kernel's in-place update and the GPU numerics (bf16 tensor cores, 3-pass tf32) are checked by
-benchmarks/kda_kernels.py and benchmarks/kda_verify.py on the GPU.
+packed in-place decode kernels with padding rows (pallas_decode, via pallas_ops.packed_decode_kda and
+fused_recurrent_kda; mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there, and its GPU path
+lowered for CUDA with the pool aliased in place), the speculative verify kernel (pallas_verify, via
+pallas_ops.recurrent_kda_checkpoints) with fp32 and bf16 checkpoints and writing a state ring in place
+(recurrent_kda_ring_checkpoints), and the serving kernels under shard_map on a 4-device CPU mesh (a subprocess).
+Interpret mode checks the kernels' semantics; the Triton / Mosaic GPU compilation, the Mosaic kernel's in-place update
+and the GPU numerics (bf16 tensor cores, 3-pass tf32) are checked by benchmarks/kda_kernels.py and
+benchmarks/kda_verify.py on the GPU.
 """
 
 import functools
