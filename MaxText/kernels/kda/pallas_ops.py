@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.kda import mosaic_decode, pallas_chunk, pallas_decode, pallas_verify, verify
+from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify, verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
 from MaxText.kernels.kda.packed_decode import check_packed_inputs
 
@@ -199,9 +199,15 @@ def decode_kernel(batch: int, head_dim: int, value_dim: int) -> str:
     2.3 us, 10.1 vs 8.7) and even at 32."""
     device = jax.devices()[0]
     hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-    if hopper and batch >= MOSAIC_DECODE_MIN_ROWS and head_dim == value_dim == mosaic_decode.HEAD_DIM:
+    if hopper and batch >= MOSAIC_DECODE_MIN_ROWS and head_dim == value_dim == _mosaic_decode().HEAD_DIM:
         return "mosaic"
     return "triton"
+
+
+def _mosaic_decode():
+    """mosaic_decode.py, imported where it may run (Mosaic GPU's modules need not import where Triton's do)."""
+    from MaxText.kernels.kda import mosaic_decode  # pylint: disable=import-outside-toplevel
+    return mosaic_decode
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
@@ -230,7 +236,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
         triton_options = {"block_v": block_v, "num_warps": num_warps, "columns_fastest": columns_fastest}
         if given := [name for name, value in triton_options.items() if value is not None]:
             raise ValueError(f"{', '.join(given)}: options of the Triton decode kernel, not of kernel='mosaic'")
-        return mosaic_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
+        return _mosaic_decode().decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                          num_heads=num_heads, head_dim=head_dim, scale=scale, out_dtype=out_dtype,
                                          interpret=interpret)
     default_block_v, default_warps, default_order = decode_tile(batch)
