@@ -93,15 +93,18 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
         row, head = item_of(n)
         return slot_ref[row], b_ref[row, head].astype(f32), alog_ref[head]
 
+    def pool_row(n):  # the pool row the n-th item's state is read from: a padding row (slot -1) reads row 0
+        return jnp.maximum(slot_ref[item_of(n)[0]], 0)
+
     for n in range(stages):
         @pl.when(n < count)
         def _():
-            fetch(n, n, jnp.maximum(scalars(n)[0], 0))  # a padding row (slot -1) reads pool row 0
+            fetch(n, n, pool_row(n))
 
     def item_step(n, current):
         slot, beta_logit, alog = current
         upcoming = scalars(n + 1)
-        refill_row = jnp.maximum(scalars(n + stages)[0], 0)
+        refill_row = pool_row(n + stages)  # loaded now, used after the item's math
         stage = n % stages
         row, head = item_of(n)
         beta = 1.0 / (1.0 + jnp.exp(-beta_logit))
