@@ -22,10 +22,11 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
   decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
            on the same params, e.g. decode_graph_scheduling=serialize; keys 'xla_...' are XLA options of the step's
-           compile, e.g. xla_gpu_autotune_level=0; steps_per_call=N: N steps unrolled in each call of the timed
-           program, one host dispatch for N steps, no tokens crc): the prefilled prompt's cache repeated over B rows
-           (a synthetic cache of the same context when prefill did not run), B distinct first tokens, then ONE jitted
-           single-step program (cache donated, greedy argmax inside, no host sync in the step) issued back to back.
+           compile, e.g. xla_gpu_autotune_level=0 (true / false: booleans); steps_per_call=N: N steps unrolled in
+           each call of the timed program, one host dispatch for N steps, no tokens crc): the prefilled prompt's
+           cache repeated over B rows (a synthetic cache of the same context when prefill did not run), B distinct
+           first tokens, then ONE jitted single-step program (cache donated, greedy argmax inside, no host sync in
+           the step) issued back to back.
            Every output of the step is written in place of its own donated input (cache, tokens, the running
            expert counts): the buffers keep their addresses from step to step, so XLA can replay the step's CUDA
            graphs without re-recording them. The step compiles with the config's decode XLA options
@@ -687,11 +688,16 @@ def variant_steps_per_call(variant: str) -> int:
     return int(value)
 
 
-def variant_xla_options(variant: str) -> dict[str, str]:
+def variant_xla_options(variant: str) -> dict[str, str | bool]:
     """The XLA options of a --decode-variants value (keys 'xla_...', e.g. xla_gpu_autotune_level=0): passed to the
     decode step's compile only (`jax.stages.Lowered.compile`), so one process compares programs that differ only in
-    them, on the same params and cache. XLA refuses an unknown option or value when the step compiles."""
-    return {k: v for k, v in variant_overrides(variant).items() if k.startswith(XLA_OPTION_PREFIX)}
+    them, on the same params and cache. The values true / false (any case) become Python bools (XLA's parser of a
+    boolean option's string takes only 'True' / 'False'); the others pass as strings. XLA refuses an unknown option
+    or value when the step compiles."""
+    def value(text: str) -> str | bool:
+        return {"true": True, "false": False}.get(text.lower(), text)
+
+    return {k: value(v) for k, v in variant_overrides(variant).items() if k.startswith(XLA_OPTION_PREFIX)}
 
 
 def cache_checksum(cache) -> int:
@@ -966,7 +972,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-variants", nargs="+", default=[""],
                         help="config overrides per decode setting, each 'key=value,...' ('' = none), on the same "
                              "params (e.g. 'fused_projections=true' 'dense_matmul=xla'); keys 'xla_...' are XLA "
-                             "options of the step's compile (e.g. 'xla_gpu_autotune_level=0'); 'steps_per_call=N' "
+                             "options of the step's compile (e.g. 'xla_gpu_autotune_level=0', "
+                             "'xla_gpu_enable_pdl=true': true / false pass as booleans); 'steps_per_call=N' "
                              "unrolls N steps in each timed call")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per decode setting")

@@ -98,8 +98,10 @@ def test_profile_helpers_name_ops_by_model_component():
         [(0, 10), (5, 15), (15, 16), (20, 22)])
 
 
-# A config override and an XLA option of the decode step's compile (accepted, and without effect, on CPU).
-VARIANT = "fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0,steps_per_call=2"
+# Config overrides and XLA options of the decode step's compile (accepted, and without effect, on CPU; a boolean one
+# written as true, which XLA takes only as a Python bool).
+VARIANT = ("fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0,"
+           "xla_gpu_enable_pdl=true,steps_per_call=2")
 
 
 def test_smoke_run_end_to_end_on_cpu(tmp_path):
@@ -174,7 +176,9 @@ def test_decode_variants_parse_into_config_overrides():
         model_decode.variant_overrides("fused_projections")
     assert model_decode.variant_config_overrides(VARIANT) == {"fused_projections": "false",
                                                              "decode_graph_scheduling": "serialize"}
-    assert model_decode.variant_xla_options(VARIANT) == {"xla_gpu_autotune_level": "0"}
+    # boolean options as Python bools (XLA's parser refuses the string 'true')
+    assert model_decode.variant_xla_options(VARIANT) == {"xla_gpu_autotune_level": "0", "xla_gpu_enable_pdl": True}
+    assert model_decode.variant_xla_options("xla_gpu_enable_pdl=FALSE") == {"xla_gpu_enable_pdl": False}
     assert model_decode.variant_steps_per_call(VARIANT) == 2 and model_decode.variant_steps_per_call("") == 1
     with pytest.raises(ValueError, match=r"steps_per_call='0', expected an integer >= 1"):
         model_decode.variant_steps_per_call("steps_per_call=0")
