@@ -14,6 +14,7 @@ import pytest
 
 from MaxText import pyconfig, train
 from MaxText.data import Batch, DataError, resolve_files, to_batch
+from MaxText.kernels.kda import chunked_kda, naive_recurrent_kda
 from MaxText.layers.kda import KimiDeltaAttention
 from MaxText.layers.models import KimiLinearForCausalLM
 
@@ -24,6 +25,37 @@ FAST = ["max_target_length=64", "per_device_batch_size=2", "eval_batches=1", "ev
 
 def config_for(tmp_path, *overrides):
     return pyconfig.load_config(TINY, FAST + [f"base_output_directory={tmp_path}", *overrides])
+
+
+def one_chunk_gradient_error() -> float:
+    """Run in a subprocess: the largest relative difference between the chunked and the naive kernels' gradients
+    (every input) for two rows of one chunk (T = chunk_size = 64)."""
+    from tests.kda_inputs import random_kda_inputs
+    x = {name: jnp.asarray(a, jnp.float32)
+         for name, a in random_kda_inputs(np.random.default_rng(4), 2, 64, 2, 32, 32).items()}
+    weights = jnp.asarray(np.random.default_rng(5).standard_normal((2, 64, 2, 32)), jnp.float32)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def grads(kernel):
+        def loss(*args):
+            o, _ = kernel(*args[:5], initial_state=args[5], use_qk_l2norm_in_kernel=True)
+            return jnp.sum(o * weights)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*(x[n] for n in names))
+
+    return max(float(jnp.max(jnp.abs(c - n)) / jnp.max(jnp.abs(n)))
+               for c, n in zip(grads(chunked_kda), grads(naive_recurrent_kda)))
+
+
+def test_one_chunk_gradients_of_two_rows_equal_naive_gradients():
+    """The chunked kernel's gradient for a single chunk of several rows: its intra-chunk scores once kept the chunk
+    axis of size 1 in front, and XLA:CPU (jaxlib 0.10.2, an AMD EPYC host) crashed with a segmentation fault
+    compiling or running that gradient (every 64-token training step of the tests). Run in a subprocess, so that a
+    crash fails this test alone."""
+    code = "from tests.test_train import one_chunk_gradient_error as e; print(e())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1]) <= 1e-4
 
 
 def test_chunked_gradients_equal_naive_gradients():

@@ -118,7 +118,9 @@ def _chunked_forward(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
 
     G = jnp.cumsum(g, axis=-2)  # [N, B, H, C, K]
     sub_chunk = min(SUB_CHUNK, chunk_size)
-    A_qk, A_kk = (jnp.where(same_segment, a, 0.0) for a in _intra_chunk_scores(q, k, G, sub_chunk))  # [N, B, H, C, C]
+    # [N*B, H, C, K] in, [N, B, H, C, C] out: a leading axis of size 1 (one chunk) crashed XLA:CPU's gradient here
+    scores = _intra_chunk_scores(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, G)), sub_chunk)
+    A_qk, A_kk = (jnp.where(same_segment, a.reshape(q.shape[:-1] + (chunk_size,)), 0.0) for a in scores)
     rhs = jnp.concatenate([beta * v, beta * k * jnp.exp(G)], axis=-1)  # [N, B, H, C, V + K]
     uw = _solve_unit_lower(beta * A_kk, rhs)
     u, w = uw[..., :head_v], continues * uw[..., head_v:]
