@@ -69,13 +69,12 @@ def reference(row: jax.Array, kernels: list[jax.Array], repeat: int) -> np.ndarr
     return np.asarray(out)
 
 
-def measure(implementation: str, row, kernels, kernels_nk, repeat: int) -> dict:
-    """Times one implementation's chain and checks it against `reference`."""
+def measure(implementation: str, row, kernels, kernels_nk, repeat: int, want: np.ndarray) -> dict:
+    """Times one implementation's chain and checks it against `want` (the `reference` chain)."""
     interpret = jax.default_backend() == "cpu"
     weights = kernels_nk if implementation == "xla_nk" else kernels
     compiled = jax.jit(chain(implementation, repeat, interpret)).lower(row, weights).compile(
         {GRAPH_SCHEDULING_OPTION: "CONCURRENT"} if jax.default_backend() == "gpu" else None)
-    want = reference(row, kernels, repeat)
     got = np.asarray(compiled(row, weights), np.float32)
     error = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
     products = repeat * len(kernels)
@@ -109,9 +108,10 @@ def main(argv=None) -> list[dict]:
     row = jax.random.normal(jax.random.fold_in(key, 1), (args.dim,)).astype(jnp.bfloat16)
     env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv if argv is None else argv}
     print(json.dumps(env), flush=True)
+    want = reference(row, kernels, args.repeat)
     rows = []
     for implementation in args.implementations:
-        result = measure(implementation, row, kernels, kernels_nk, args.repeat)
+        result = measure(implementation, row, kernels, kernels_nk, args.repeat, want)
         rows.append(result)
         print(f"{implementation:7s} {result['us_per_product']:8.2f} us per product ({result['weight_TBps']:.2f} TB/s "
               f"of weights), chain error {result['rel_max_error']:.1e}", flush=True)
