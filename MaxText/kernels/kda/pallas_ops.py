@@ -237,8 +237,8 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
         if given := [name for name, value in triton_options.items() if value is not None]:
             raise ValueError(f"{', '.join(given)}: options of the Triton decode kernel, not of kernel='mosaic'")
         return _mosaic_decode().decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                         num_heads=num_heads, head_dim=head_dim, scale=scale, out_dtype=out_dtype,
-                                         interpret=interpret)
+                                            num_heads=num_heads, head_dim=head_dim, scale=scale,
+                                            out_dtype=out_dtype, interpret=interpret)
     default_block_v, default_warps, default_order = decode_tile(batch)
     block_v = min(block_v or default_block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
