@@ -37,8 +37,10 @@ ARCHITECTURE_KEYS = (
     "mla_layers", "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "num_query_heads", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_dim", "first_num_dense_layers",
     "num_experts", "num_experts_per_tok", "moe_mlp_dim", "shared_experts", "routed_scaling_factor",
-    "n_routing_groups", "topk_routing_group", "norm_topk_prob",
+    "n_routing_groups", "topk_routing_group", "norm_topk_prob", "dense_kernel_layout",
 )
+# What a checkpoint's config.yml written before an architecture key existed stands for.
+ARCHITECTURE_KEYS_BEFORE = {"dense_kernel_layout": "in_out"}
 
 
 class CheckpointError(ValueError):
@@ -233,7 +235,7 @@ def read_checkpoint_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(file):
         raise CheckpointError(f"checkpoint {path!r} has no {CONFIG_FILE}")
     with open(file, encoding="utf-8") as f:
-        return yaml.safe_load(f) or {}
+        return {**ARCHITECTURE_KEYS_BEFORE, **(yaml.safe_load(f) or {})}
 
 
 def check_config_matches(path: str, config: Mapping[str, Any]) -> None:
@@ -300,5 +302,7 @@ def load_for_inference(path: str, sharded: bool = False,
     (e.g. max_target_length=4096, dtype='bfloat16'); overriding an architecture key fails with CheckpointError.
     sharded: restore onto the config's mesh (`load_sharded_params`) instead of into host numpy arrays."""
     _params_dir(path)  # fail on a missing checkpoint before reading its config
-    config = pyconfig.load_config(os.path.join(path, CONFIG_FILE), config_overrides)
+    stored = read_checkpoint_config(path)  # a key it lacks is what it stood for before the key existed
+    config = pyconfig.load_config(os.path.join(path, CONFIG_FILE),
+                                  {**{key: stored[key] for key in ARCHITECTURE_KEYS_BEFORE}, **config_overrides})
     return config, (load_sharded_params(path, config) if sharded else load_params(path, config))

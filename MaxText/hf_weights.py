@@ -7,7 +7,8 @@ Two HF layouts exist and both are accepted, tensor by tensor:
   transformers-native (`KimiLinearForCausalLM.state_dict()`): `self_attn.conv1d.weight` [3HK, 1, W] (q, k, v
       concatenated), `self_attn.forget_gate.{f_a_proj,f_b_proj,dt_bias,A_log}`, `mlp.{gate, experts.gate_up_proj
       [E, 2I, D], experts.down_proj [E, D, I], shared_experts}`.
-Our tree (see the conventions): Linear weights [out, in] become `kernel` [in, out]; conv weights [C, 1, W] become
+Our tree (see the conventions): Linear weights [out, in] become `kernel` [in, out] (kept [out, in] for the dense
+projections with `dense_kernel_layout: out_in`); conv weights [C, 1, W] become
 `kernel` [W, C]; `A_log` [1, 1, H, 1] becomes [H]; experts are stacked [E, D, I] / [E, I, D].
 
 Everything is driven by one table, `hf_tensor_specs(config)`: every HF tensor name a checkpoint of this config may
@@ -214,6 +215,9 @@ def _linear(w: np.ndarray) -> list[np.ndarray]:
     return [w.T]  # torch Linear weight [out, in] -> kernel [in, out]
 
 
+LINEAR_TRANSFORMS = {"in_out": _linear, "out_in": lambda w: [w]}  # by our kernel's layout (dense_kernel_layout)
+
+
 def _same(w: np.ndarray) -> list[np.ndarray]:
     return [w]
 
@@ -240,9 +244,12 @@ def _experts_down(w: np.ndarray) -> list[np.ndarray]:
 
 
 class _Table:
-    """Collects our leaves (path -> shape) and the HF tensors that fill them."""
+    """Collects our leaves (path -> shape) and the HF tensors that fill them, for `config`. `dense_layout`: how the
+    dense projections' kernels are stored (config key dense_kernel_layout; MaxText.layers.linears.create_kernel)."""
 
-    def __init__(self):
+    def __init__(self, config: Mapping[str, Any]):
+        self.dense_layout = config.get("dense_kernel_layout", "in_out")
+        self.dense_kernels: set[Path] = set()  # the kernels stored as dense_layout says
         self.leaves: dict[Path, tuple[int, ...]] = {}
         self.stacked: dict[Path, int] = {}  # leaf path -> number of expert slots, for leaves filled slot by slot
         self.specs: dict[str, HFTensorSpec] = {}
@@ -259,10 +266,15 @@ class _Table:
         targets = tuple((leaf, slot) for leaf in leaves)
         self.specs[name] = HFTensorSpec(name, (tuple(shape), *map(tuple, alt_shapes)), layout, targets, transform)
 
-    def linear(self, name: str, path: Path, in_dim: int, out_dim: int, layout: str = "any") -> None:
-        """An nn.Linear weight [out, in] -> our `path/kernel` [in, out]."""
-        kernel = self.leaf(path + ("kernel",), (in_dim, out_dim))
-        self.hf(name, (out_dim, in_dim), layout, [kernel], _linear)
+    def linear(self, name: str, path: Path, in_dim: int, out_dim: int, layout: str = "any",
+               stored: str | None = None) -> None:
+        """An nn.Linear weight [out, in] -> our `path/kernel`, [in, out] or as it is (`stored` 'out_in'; None: the
+        dense projections' layout)."""
+        if stored is None:
+            stored = self.dense_layout
+            self.dense_kernels.add(path + ("kernel",))
+        kernel = self.leaf(path + ("kernel",), (in_dim, out_dim) if stored == "in_out" else (out_dim, in_dim))
+        self.hf(name, (out_dim, in_dim), layout, [kernel], LINEAR_TRANSFORMS[stored])
 
     def norm(self, name: str, path: Path, dim: int) -> None:
         scale = self.leaf(path + ("scale",), (dim,))
@@ -280,17 +292,17 @@ def _kda_specs(t: _Table, hf: str, ours: Path, config: Mapping[str, Any]) -> Non
         t.hf(f"{hf}{x}_conv1d.weight", (hk, 1, w), "original", [conv], _conv)
     t.hf(f"{hf}conv1d.weight", (3 * hk, 1, w), "native", convs, _fused_conv)
     # The forget gate's tensors: directly under self_attn (original) or under self_attn.forget_gate (native).
+    for inner, (in_dim, out_dim) in {"f_a_proj": (d, k), "f_b_proj": (k, hk)}.items():
+        t.linear(f"{hf}{inner}.weight", ours + (inner,), in_dim, out_dim, "original")
+        t.linear(f"{hf}forget_gate.{inner}.weight", ours + (inner,), in_dim, out_dim, "native")
     gate = {
-        "f_a_proj": (t.leaf(ours + ("f_a_proj", "kernel"), (d, k)), (k, d), _linear),
-        "f_b_proj": (t.leaf(ours + ("f_b_proj", "kernel"), (k, hk)), (hk, k), _linear),
         "dt_bias": (t.leaf(ours + ("dt_bias",), (hk,)), (hk,), _same),
         "A_log": (t.leaf(ours + ("A_log",), (h,)), (1, 1, h, 1), _flatten),
     }
     for inner, (leaf, shape, transform) in gate.items():
-        suffix = "" if inner in ("dt_bias", "A_log") else ".weight"
         alt = [(h,)] if inner == "A_log" else []
-        t.hf(f"{hf}{inner}{suffix}", shape, "original", [leaf], transform, *alt)
-        t.hf(f"{hf}forget_gate.{inner}{suffix}", shape, "native", [leaf], transform, *alt)
+        t.hf(f"{hf}{inner}", shape, "original", [leaf], transform, *alt)
+        t.hf(f"{hf}forget_gate.{inner}", shape, "native", [leaf], transform, *alt)
     t.linear(f"{hf}b_proj.weight", ours + ("b_proj",), d, h)
     t.linear(f"{hf}g_a_proj.weight", ours + ("g_a_proj",), d, k)
     t.linear(f"{hf}g_b_proj.weight", ours + ("g_b_proj",), k, hk)
@@ -325,7 +337,7 @@ def _swiglu_specs(t: _Table, hf_prefixes: Iterable[tuple[str, str]], ours: Path,
 def _moe_specs(t: _Table, layer: str, ours: Path, config: Mapping[str, Any]) -> None:
     d, e, i = config["emb_dim"], config["num_experts"], config["moe_mlp_dim"]
     for hf, layout in ((f"{layer}block_sparse_moe.", "original"), (f"{layer}mlp.", "native")):
-        t.linear(f"{hf}gate.weight", ours + ("gate",), d, e, layout)
+        t.linear(f"{hf}gate.weight", ours + ("gate",), d, e, layout, stored="in_out")  # the router's own param
         bias = t.leaf(ours + ("gate", "e_score_correction_bias"), (e,))
         t.hf(f"{hf}gate.e_score_correction_bias", (e,), layout, [bias], _same)
     gate = t.leaf(ours + ("experts", "gate_proj"), (e, d, i), slots=e)
@@ -345,7 +357,7 @@ def _moe_specs(t: _Table, layer: str, ours: Path, config: Mapping[str, Any]) -> 
 
 
 def _build_table(config: Mapping[str, Any]) -> _Table:
-    t = _Table()
+    t = _Table(config)
     d, vocab = config["emb_dim"], config["vocab_size"]
     model = PARAMS_ROOT + ("model",)
     embedding = t.leaf(model + ("embed_tokens", "embedding"), (vocab, d))
@@ -373,6 +385,12 @@ def hf_tensor_specs(config: Mapping[str, Any]) -> dict[str, HFTensorSpec]:
 def param_shapes(config: Mapping[str, Any]) -> dict[Path, tuple[int, ...]]:
     """Our leaf path (starting with 'params') -> shape, for a model of `config`."""
     return _build_table(config).leaves
+
+
+def dense_kernel_paths(config: Mapping[str, Any]) -> set[Path]:
+    """The leaf paths (starting with 'params') of the kernels stored as `dense_kernel_layout` says: transposing
+    exactly these turns one layout's params into the other's."""
+    return _build_table(config).dense_kernels
 
 
 def path_str(path: Path) -> str:
@@ -563,7 +581,7 @@ def kda_layer_params(state_dict: Mapping[str, Any], prefix: str, config: Mapping
     `prefix=''` takes the state dict of a standalone HF `KimiLinearDeltaAttention` module; `prefix=
     'model.layers.0.self_attn.'` takes one layer of a full checkpoint (names outside the prefix are ignored).
     """
-    table = _Table()
+    table = _Table(config)
     _kda_specs(table, prefix, (), config)
     layer = {name: value for name, value in state_dict.items() if name.startswith(prefix)}
     return nest(_assemble(layer, table))

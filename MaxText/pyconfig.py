@@ -35,6 +35,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "moe_grouped_matmul": ("auto", "ragged_dot", "gather", "pallas"),
     "dense_matmul": ("auto", "xla", "pallas"),
     "dense_matmul_grid": ("tiles", "rows"),
+    "dense_kernel_layout": ("in_out", "out_in"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
     "mla_kernel": ("auto", "xla", "pallas"),
     "norm_kernel": ("auto", "xla", "pallas"),
@@ -183,6 +184,10 @@ def _validate(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"num_processes is {cfg['num_processes']}; it must be >= 0 (0 = from the environment)")
     if cfg["process_id"] < -1:
         raise ConfigError(f"process_id is {cfg['process_id']}; it must be >= 0, or -1 (from the environment)")
+    if cfg["dense_kernel_layout"] == "out_in" and cfg["dense_matmul"] == "pallas":
+        raise ConfigError("dense_matmul='pallas' reads [in, out] kernels, and dense_kernel_layout='out_in' stores them "
+                          "[out, in] (each step would copy their transposes); use dense_matmul 'auto' or 'xla', or "
+                          "dense_kernel_layout 'in_out'")
     if cfg["kda_chunk_size"] % 16:
         raise ConfigError(f"kda_chunk_size is {cfg['kda_chunk_size']}; it must be a multiple of 16")
     _check_layer_lists(cfg)

@@ -21,7 +21,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            cache (chunked prefill bounds the MoE dispatch's temporaries); median wall time of --prefill-repeats runs
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
   decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
-           on the same params, e.g. decode_graph_scheduling=serialize; keys 'xla_...' are XLA options of the step's
+           on the same params, e.g. decode_graph_scheduling=serialize; dense_kernel_layout=...: the same values
+           with the dense kernels transposed on the device (Setup.params_for); keys 'xla_...' are XLA options of the step's
            compile, e.g. xla_gpu_autotune_level=0 (true / false: booleans); steps_per_call=N: N steps unrolled in
            each call of the timed program, one host dispatch for N steps, no tokens crc): the prefilled prompt's
            cache repeated over B rows (a synthetic cache of the same context when prefill did not run), B distinct
@@ -33,7 +34,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            (`decode_graph_scheduling`), as the Engine's decode loop does.
            After the warm-up steps: the crc32 of their greedy tokens and a checksum of every bit of the cache
            (`cache_checksum`); settings that run the same arithmetic must agree on both.
-           The dense projections follow the config's `dense_matmul` (recorded per batch as `dense_impl`).
+           The dense projections follow the config's `dense_matmul` and `dense_kernel_layout` (recorded per batch as
+           `dense_impl`).
            TPOT = median over --repeats blocks of block wall time / --steps (the host dispatch overlaps the device,
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
            meet; steps_per_call=N against the default 1 shows how much of the TPOT is the host's); `synced` = median
@@ -91,8 +93,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks import kda_kernels  # noqa: E402  (timing helpers, copy bandwidth; it lets torch share the GPU)
-from MaxText import pyconfig, random_init, sharding  # noqa: E402
+from MaxText import hf_weights, pyconfig, random_init, sharding  # noqa: E402
 from MaxText.inference.compile_options import decode_compiler_options  # noqa: E402
+from MaxText.layers.linears import dense_matmul_choice  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
 from MaxText.kernels import grouped_matmul  # noqa: E402
 from MaxText.layers.moe import Router  # noqa: E402
@@ -457,9 +460,10 @@ def moe_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.shardi
 
 
 def dense_implementation(config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, batch: int) -> str:
-    """What `config.dense_matmul` resolves to on `mesh` for a decode step of `batch` rows (q_proj's shape)."""
+    """What the projections' `dense_matmul` (linears.dense_matmul_choice) resolves to on `mesh` for a decode step of
+    `batch` rows (q_proj's shape)."""
     with sharding.mesh_context(mesh, config):
-        return grouped_matmul.resolve_dense(config.dense_matmul, config.dtype, config.emb_dim,
+        return grouped_matmul.resolve_dense(dense_matmul_choice(config), config.dtype, config.emb_dim,
                                             config.kda_num_heads * config.kda_head_dim, batch)
 
 
@@ -476,6 +480,26 @@ class Setup:
     def __init__(self, config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, param_shardings, params):
         self.config, self.mesh, self.param_shardings, self.params = config, mesh, param_shardings, params
         self._abstract_caches: dict[int, Any] = {}
+        self._relaid: dict[str, tuple[Any, Any]] = {}  # dense_kernel_layout -> (params, shardings)
+
+    def params_for(self, config: ml_collections.FrozenConfigDict) -> tuple[Any, Any]:
+        """(params, their shardings) for a decode setting's `config`: the setup's, or where the setting stores the
+        dense kernels in the other layout (a --decode-variants value dense_kernel_layout=...), a copy with exactly
+        those kernels transposed on the device (hf_weights.dense_kernel_paths; the same values), made once."""
+        layout = config.dense_kernel_layout
+        if layout == self.config.dense_kernel_layout:
+            return self.params, self.param_shardings
+        if layout not in self._relaid:
+            transposed = {path[1:] for path in hf_weights.dense_kernel_paths(self.config)}  # without 'params'
+            shardings = flax.traverse_util.flatten_dict(
+                flax.core.unfreeze(sharding.param_shardings(config, self.mesh)))
+            params = {path: jax.jit(jnp.transpose, out_shardings=shardings[path])(value) if path in transposed
+                      else value for path, value in flax.traverse_util.flatten_dict(
+                          flax.core.unfreeze(self.params)).items()}
+            self._relaid[layout] = (flax.traverse_util.unflatten_dict(params),
+                                    flax.traverse_util.unflatten_dict(shardings))
+            log(f"decode: {len(transposed)} dense kernels transposed for dense_kernel_layout={layout}{memory_note()}")
+        return self._relaid[layout]
 
     def rows(self, ndim: int) -> NamedSharding:
         return sharding.batch_sharding(self.mesh, self.config, ndim)
@@ -735,6 +759,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         raise ValueError(f"{setting}: --warmup {args.warmup}, --steps {args.steps} and --synced-steps "
                          f"{args.synced_steps} must be multiples of {STEPS_PER_CALL}={per_call}")
     cache = batch_cache(setup, prefilled, batch, args.prompt_len)
+    params, param_shardings = setup.params_for(config)
     rng = np.random.default_rng(batch)
     tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
     cache_shardings = setup.cache_shardings(batch)
@@ -742,19 +767,19 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     counts = jax.device_put(np.zeros((config.mlp_types.count("moe"),), np.int32), replicated)  # distinct_sum
     step, compile_s = setup.compile(
         unrolled(make_decode_step(KimiLinearForCausalLM(config), config.num_experts), per_call),
-        (setup.params, cache, tokens, counts),
-        in_shardings=(setup.param_shardings, cache_shardings, setup.rows(1), replicated),
+        (params, cache, tokens, counts),
+        in_shardings=(param_shardings, cache_shardings, setup.rows(1), replicated),
         out_shardings=(cache_shardings, setup.rows(1), replicated), donate_argnums=(1, 2, 3),
         xla_options={**decode_compiler_options(config), **variant_xla_options(variant)})
     log(f"decode {setting}: compiled in {compile_s:.1f} s")
-    in_place = outputs_in_place(step, first_input=len(jax.tree.leaves(setup.params)))
+    in_place = outputs_in_place(step, first_input=len(jax.tree.leaves(params)))
     if not in_place:
         log(f"decode {setting}: XLA does not write every output in place of its own input (buffers move between "
             f"steps: CUDA graphs touching them are re-recorded every step)")
 
     warmup_tokens = []  # greedy tokens of the untimed steps: equal across XLA flags / variants of the same program
     for _ in range(args.warmup // per_call):
-        cache, tokens, counts = step(setup.params, cache, tokens, counts)
+        cache, tokens, counts = step(params, cache, tokens, counts)
         warmup_tokens.append(np.asarray(tokens))
     # Several steps per call give only every per_call-th token: no tokens crc (the cache's stands).
     tokens_crc32 = zlib.crc32(np.stack(warmup_tokens).tobytes()) if warmup_tokens and per_call == 1 else None
@@ -764,7 +789,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     for _ in range(args.repeats):  # steps issued back to back, one wait per block
         start = time.perf_counter()
         for _ in range(args.steps // per_call):
-            cache, tokens, counts = step(setup.params, cache, tokens, counts)
+            cache, tokens, counts = step(params, cache, tokens, counts)
         issued.append((time.perf_counter() - start) / args.steps)  # host time to issue a step (per_call: its share)
         jax.block_until_ready((tokens, counts, cache))
         blocks.append((time.perf_counter() - start) / args.steps)
@@ -772,7 +797,7 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     synced = []
     for _ in range(args.synced_steps // per_call):
         start = time.perf_counter()
-        cache, tokens, counts = jax.block_until_ready(step(setup.params, cache, tokens, counts))
+        cache, tokens, counts = jax.block_until_ready(step(params, cache, tokens, counts))
         synced.append((time.perf_counter() - start) / per_call)
     tpot = statistics.median(blocks)
     uniform = expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
@@ -804,12 +829,12 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
         log(f"decode B={batch}: the rows route to fewer experts than uniform routing would; the roofline uses the "
             f"measured counts")
     if profile and args.profile_steps:
-        row["profile"] = profile_decode(step, setup, cache, tokens, counts, args, config, tpot, per_call,
+        row["profile"] = profile_decode(step, params, cache, tokens, counts, args, config, tpot, per_call,
                                         re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting))  # one trace folder per setting
     return row
 
 
-def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step_seconds: float, per_call: int,
+def profile_decode(step, params, cache, tokens, counts, args, config, step_seconds: float, per_call: int,
                    tag: str) -> dict:
     """Traces --profile-steps decode steps (rounded up to calls of `per_call` steps) and returns the per-step
     breakdown (or {'error': why} when parsing fails)."""
@@ -818,7 +843,7 @@ def profile_decode(step, setup: Setup, cache, tokens, counts, args, config, step
     try:
         with jax.profiler.trace(trace_dir):
             for _ in range(calls):
-                cache, tokens, counts = step(setup.params, cache, tokens, counts)
+                cache, tokens, counts = step(params, cache, tokens, counts)
             jax.block_until_ready((tokens, counts, cache))
         trace = read_trace(trace_dir)
         op_times = device_op_times(trace, DECODE_MODULE, jax.default_backend() != "cpu")

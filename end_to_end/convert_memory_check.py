@@ -106,8 +106,10 @@ def spot_check(out: str, layout: str) -> list[str]:
     """Compares a few converted params with the synthetic HF values they came from (loads the whole checkpoint)."""
     from MaxText import checkpointing, pyconfig  # pylint: disable=import-outside-toplevel
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    params = checkpointing.load_params(out, pyconfig.load_config(os.path.join(out, checkpointing.CONFIG_FILE)))
+    config = pyconfig.load_config(os.path.join(out, checkpointing.CONFIG_FILE))
+    params = checkpointing.load_params(out, config)
     model = params["params"]["model"]
+    lm_head = synthetic_value("lm_head.weight", (65536, 2304), bf16)  # [out, in]: as stored with out_in kernels
     gate = "" if layout == "original" else "forget_gate."
     if layout == "original":
         w2 = synthetic_value("model.layers.3.block_sparse_moe.experts.17.w2.weight", (2304, 1024), bf16)
@@ -116,7 +118,8 @@ def spot_check(out: str, layout: str) -> list[str]:
     checks = {
         "embed_tokens": (model["embed_tokens"]["embedding"],
                          synthetic_value("model.embed_tokens.weight", (65536, 2304), bf16)),
-        "lm_head": (params["params"]["lm_head"]["kernel"], synthetic_value("lm_head.weight", (65536, 2304), bf16).T),
+        "lm_head": (params["params"]["lm_head"]["kernel"],
+                    lm_head if config.dense_kernel_layout == "out_in" else lm_head.T),
         "layers_1 A_log (float32 in the checkpoint, stored bfloat16)": (
             model["layers_1"]["self_attn"]["A_log"],
             synthetic_value(f"model.layers.1.self_attn.{gate}A_log", (1, 1, 32, 1), np.dtype(np.float32))

@@ -62,9 +62,11 @@ def test_convert_equals_hf_tensors(tmp_path, hf_model, native, layout, schema, w
     for path, value in expected.items():
         assert got[path].dtype == np.float32
         np.testing.assert_array_equal(got[path], value, err_msg="/".join(path))
-    # Spot checks straight against the HF tensors (a transposed kernel, a fused conv split, an expert slot).
+    # Spot checks straight against the HF tensors (a kernel kept [out, in]: the default dense_kernel_layout; a fused
+    # conv split; an expert slot, transposed).
+    assert config.dense_kernel_layout == "out_in"
     model = params["params"]["model"]
-    np.testing.assert_array_equal(params["params"]["lm_head"]["kernel"], native["lm_head.weight"].T)
+    np.testing.assert_array_equal(params["params"]["lm_head"]["kernel"], native["lm_head.weight"])
     np.testing.assert_array_equal(model["layers_2"]["self_attn"]["v_conv1d"]["kernel"],
                                   native["model.layers.2.self_attn.conv1d.weight"][64:, 0, :].T)
     np.testing.assert_array_equal(model["layers_3"]["mlp"]["experts"]["up_proj"][6],
@@ -86,7 +88,7 @@ def test_convert_cli_bfloat16_and_tokenizer_files(tmp_path, hf_model, native, ca
     model = params["params"]["model"]
     kernel = model["layers_0"]["self_attn"]["q_proj"]["kernel"]
     assert kernel.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(kernel, native["model.layers.0.self_attn.q_proj.weight"].T.astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(kernel, native["model.layers.0.self_attn.q_proj.weight"].astype(ml_dtypes.bfloat16))
     bias = model["layers_1"]["mlp"]["gate"]["e_score_correction_bias"]  # the router bias stays float32
     assert bias.dtype == np.float32
     np.testing.assert_array_equal(bias, native["model.layers.1.mlp.gate.e_score_correction_bias"])
@@ -188,6 +190,24 @@ def test_load_rejects_a_mismatched_config(tmp_path, hf_model, native):
     assert config.max_target_length == 64
 
 
+def test_checkpoint_from_before_the_layout_key_loads_in_out(tmp_path, hf_model, native):
+    """A config.yml written before `dense_kernel_layout` existed holds [in, out] kernels: loading takes that layout
+    whatever base.yml's default."""
+    out = convert_hf_checkpoint.convert(_write(tmp_path / "hf", hf_model, native), str(tmp_path / "out"),
+                                        progress=False, dense_kernel_layout="in_out")
+    config_file = os.path.join(out, checkpointing.CONFIG_FILE)
+    with open(config_file, encoding="utf-8") as f:
+        lines = f.readlines()
+    with open(config_file, "w", encoding="utf-8") as f:
+        f.writelines(line for line in lines if not line.startswith("dense_kernel_layout:"))
+    config, params = checkpointing.load_for_inference(out)
+    assert config.dense_kernel_layout == "in_out"
+    assert params["params"]["lm_head"]["kernel"].shape == (hf_model[0].hidden_size, hf_model[0].vocab_size)
+    with pytest.raises(checkpointing.CheckpointError,
+                       match="dense_kernel_layout: checkpoint 'in_out', config 'out_in'"):
+        checkpointing.load_for_inference(out, dense_kernel_layout="out_in")
+
+
 def test_save_and_sharded_load_round_trip(tmp_path, hf_model, native):
     import jax
     config = pyconfig.load_config(checkpointing.write_config(
@@ -204,14 +224,20 @@ def test_save_and_sharded_load_round_trip(tmp_path, hf_model, native):
         np.testing.assert_array_equal(np.asarray(flat_restored[path]), value)
 
 
-def test_engine_from_converted_checkpoint_matches_hf(tmp_path, hf_model):
-    """The whole user path on HF's own writer (save_pretrained: release layout, several shards): convert, then
-    Engine.from_checkpoint reproduces HF's logits."""
+@pytest.mark.parametrize("dense_kernel_layout", ["in_out", "out_in"])
+def test_engine_from_converted_checkpoint_matches_hf(tmp_path, hf_model, dense_kernel_layout):
+    """The whole user path on HF's own writer (save_pretrained: release layout, several shards): convert (the dense
+    kernels stored either way), then Engine.from_checkpoint reproduces HF's logits."""
     import torch
     from MaxText.inference.engine import Engine
     hf_model[1].save_pretrained(tmp_path / "hf", max_shard_size="300KB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) >= 3
-    out = convert_hf_checkpoint.convert(str(tmp_path / "hf"), str(tmp_path / "out"), progress=False)
+    out = convert_hf_checkpoint.convert(str(tmp_path / "hf"), str(tmp_path / "out"), progress=False,
+                                        dense_kernel_layout=dense_kernel_layout)
+    assert checkpointing.read_checkpoint_config(out)["dense_kernel_layout"] == dense_kernel_layout
+    q_proj = checkpointing.load_for_inference(out)[1]["params"]["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    in_out = (hf_model[0].hidden_size, q_proj.size // hf_model[0].hidden_size)
+    assert q_proj.shape == (in_out if dense_kernel_layout == "in_out" else in_out[::-1])
     ids = np.random.default_rng(0).integers(0, hf_model[0].vocab_size, (1, 11))
     with torch.no_grad():
         reference = hf_model[1](torch.tensor(ids)).logits.numpy()

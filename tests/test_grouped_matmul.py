@@ -514,8 +514,8 @@ def test_dense_matmul_grid_reaches_the_kernel(monkeypatch):
         (grid, pad_rows)) or tuple(x @ k for k in kernels))
     x = jnp.ones((1, 1, 32), jnp.float32)
     for grid, pad_rows in (("tiles", False), ("rows", True)):
-        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": grid,
-                                                                  "dense_pad_rows": pad_rows})
+        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"dense_matmul_grid": grid, "dense_pad_rows": pad_rows,
+                                                                  "dense_kernel_layout": "in_out"})
         assert project(config, x, jnp.ones((32, 8), jnp.float32)).shape == (1, 1, 8)
     assert seen == [("tiles", False), ("rows", True)]
     assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).dense_matmul_grid == "tiles"  # the default
@@ -542,7 +542,8 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     (run by the interpreter here) a [B, T, K] input gives XLA's product."""
     from MaxText import pyconfig
     from MaxText.layers.linears import Dense
-    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16"])
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
+                                                              "dense_kernel_layout=in_out"])
     calls, kernel_fn = [], pallas_gmm.dense_matmul
 
     def interpreted(rows, kernel, **options):
@@ -559,15 +560,42 @@ def test_dense_layer_takes_the_pallas_kernel_when_resolved(monkeypatch):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_out_in_kernels_take_xla_products_on_a_gpu(monkeypatch):
+    """dense_kernel_layout out_in (the default): `auto` multiplies by XLA where the Pallas dense kernel would run for
+    in_out kernels (a one-row product on one NVIDIA GPU), on the [out, in] param read in place; same values."""
+    import flax
+    from MaxText import pyconfig
+    from MaxText.layers.linears import Dense
+    monkeypatch.setattr(gmm.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: None)
+    calls = []
+    monkeypatch.setattr(pallas_gmm, "dense_matmul", lambda rows, kernels, **options: calls.append(rows.shape) or tuple(
+        rows @ k for k in kernels))
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(1, 1, 256)), jnp.bfloat16)
+    outs = {}
+    for layout in ("out_in", "in_out"):
+        config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
+                                                                  f"dense_kernel_layout={layout}"])
+        layer = Dense(config, 128)
+        params = flax.linen.unbox(layer.init(jax.random.key(0), x))
+        outs[layout] = (params["params"]["kernel"], layer.apply(params, x))
+        assert calls == ([] if layout == "out_in" else [(1, 256)] * 2), (layout, calls)  # in_out: init and apply
+    (out_in_kernel, out_in_y), (in_out_kernel, in_out_y) = outs["out_in"], outs["in_out"]
+    assert out_in_kernel.shape == (128, 256) and in_out_kernel.shape == (256, 128)
+    np.testing.assert_allclose(np.asarray(out_in_y, np.float32), np.asarray(x @ out_in_kernel.T, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(in_out_y, np.float32), np.asarray(x @ in_out_kernel, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_mlp_with_fused_projections_projects_gate_and_up_in_one_call(monkeypatch, interpreted_dense_matmul):
     """linears.MLP with fused_projections (the default): gate_proj and up_proj (same params) in one dense_matmul call,
     down_proj alone; the output is the unfused MLP's."""
     from MaxText import pyconfig
     from MaxText.layers.linears import MLP
-    plain = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
-                                                                   "emb_dim=256", "fused_projections=false"]), 128)
-    fused = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, ["dtype=bfloat16", "weight_dtype=bfloat16",
-                                                                   "emb_dim=256", "fused_projections=true"]), 128)
+    keys = ["dtype=bfloat16", "weight_dtype=bfloat16", "emb_dim=256", "dense_kernel_layout=in_out"]
+    plain = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, keys + ["fused_projections=false"]), 128)
+    fused = MLP(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, keys + ["fused_projections=true"]), 128)
     x = jnp.asarray(np.random.default_rng(6).normal(size=(1, 1, 256)), jnp.bfloat16)
     params = plain.init(jax.random.key(0), x)
     jax.tree.map(np.testing.assert_array_equal, params, fused.init(jax.random.key(0), x))

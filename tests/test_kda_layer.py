@@ -294,8 +294,8 @@ def test_fused_projections_keep_params_and_output_in_fewer_dense_calls(monkeypat
     from MaxText.kernels import grouped_matmul as gmm
     from MaxText.kernels.grouped_matmul import pallas_gmm
     x = jnp.asarray(np.random.default_rng(9).normal(size=(2, 5, HIDDEN)), jnp.float32)
-    plain = KimiDeltaAttention(our_config(fused_projections=False))
-    fused = KimiDeltaAttention(our_config(fused_projections=True))
+    plain = KimiDeltaAttention(our_config(fused_projections=False, dense_kernel_layout="in_out"))
+    fused = KimiDeltaAttention(our_config(fused_projections=True, dense_kernel_layout="in_out"))
     params = plain.init(jax.random.key(3), x, model_mode="train")["params"]
     fused_params = fused.init(jax.random.key(3), x, model_mode="train")["params"]
     jax.tree.map(np.testing.assert_array_equal, params, fused_params)

@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import model_decode
@@ -258,3 +260,48 @@ def test_device_op_times_name_many_streams_by_count():
     assert many.launches == {"f": 6}
     few = model_decode.device_op_times(plane(2), model_decode.DECODE_MODULE, accelerator=True)
     assert few.source == "/device:GPU:0: Stream #0, Stream #1"
+
+
+def test_dense_implementation_reports_what_the_projections_run(monkeypatch):
+    """The benchmark's `dense_impl` column: on one GPU at batch 1, XLA for kernels stored out_in (the default), the
+    Pallas kernel for in_out ones, XLA above DENSE_PALLAS_MAX_ROWS rows."""
+    from MaxText import sharding
+    from MaxText.kernels import grouped_matmul as gmm
+    monkeypatch.setattr(gmm.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gmm, "pallas_unavailable_reason", lambda *a: None)
+    keys = ["weight_dtype=bfloat16", "dtype=bfloat16"]
+    out_in, in_out = (pyconfig.load_config(TINY, keys + [f"dense_kernel_layout={layout}"])
+                      for layout in ("out_in", "in_out"))
+    mesh = sharding.create_mesh(out_in)
+    assert model_decode.dense_implementation(out_in, mesh, 1) == "xla"
+    assert model_decode.dense_implementation(in_out, mesh, 1) == "pallas"
+    assert model_decode.dense_implementation(in_out, mesh, gmm.DENSE_PALLAS_MAX_ROWS + 1) == "xla"
+
+
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_a_variant_in_the_other_dense_layout_gets_the_same_model_transposed(layout):
+    """--decode-variants dense_kernel_layout=...: Setup.params_for transposes exactly the dense kernels (the other
+    leaves are the setup's own arrays), with the variant's shardings; the variant's model on them gives the setup's
+    logits."""
+    from MaxText import sharding
+    other = {"in_out": "out_in", "out_in": "in_out"}[layout]
+    config, variant = (pyconfig.load_config(TINY, [f"dense_kernel_layout={value}"]) for value in (layout, other))
+    mesh = sharding.create_mesh(config)
+    tokens = jnp.arange(6, dtype=jnp.int32).reshape(1, 6)
+    params = nn.unbox(KimiLinearForCausalLM(config).init(jax.random.key(0), tokens, model_mode="train"))["params"]
+    setup = model_decode.Setup(config, mesh, sharding.param_shardings(config, mesh), params)
+    assert setup.params_for(config) == (setup.params, setup.param_shardings)
+    relaid, shardings = setup.params_for(variant)
+    assert setup.params_for(variant)[0] is relaid  # made once
+    flat_old, flat_new = (flax.traverse_util.flatten_dict(tree) for tree in (params, relaid))
+    transposed = {path[1:] for path in model_decode.hf_weights.dense_kernel_paths(config)}
+    assert ("lm_head", "kernel") in transposed and ("model", "layers_1", "mlp", "gate", "kernel") not in transposed
+    for path, value in flat_old.items():
+        if path in transposed:
+            np.testing.assert_array_equal(flat_new[path], value.T)
+        else:
+            assert flat_new[path] is value, path
+    assert jax.tree.structure(shardings) == jax.tree.structure(sharding.param_shardings(variant, mesh))
+    want = KimiLinearForCausalLM(config).apply({"params": params}, tokens, model_mode="train")
+    got = KimiLinearForCausalLM(variant).apply({"params": relaid}, tokens, model_mode="train")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -109,9 +109,9 @@ def our_config(model: KimiLinearForCausalLM, **overrides):
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(name: str, dtype: str = "float32") -> Engine:
+def _engine(name: str, dtype: str = "float32", layout: str = "in_out") -> Engine:
     model = hf_model(name)
-    config = our_config(model, dtype=dtype, weight_dtype=dtype)
+    config = our_config(model, dtype=dtype, weight_dtype=dtype, dense_kernel_layout=layout)
     return Engine(config, params_from_hf_state_dict(hf_state_dict(model), config))
 
 
@@ -124,9 +124,11 @@ def _hf_logits(model, tokens: list[int]) -> np.ndarray:
         return model(torch.tensor([tokens])).logits.float().numpy()
 
 
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
 @pytest.mark.parametrize("name", CONFIG_NAMES)
-def test_fp32_logits_match_hf(name):
-    model, engine = hf_model(name), _engine(name)
+def test_fp32_logits_match_hf(name, layout):
+    """Both dense kernel layouts (dense_kernel_layout: the HF weights transposed into [in, out] or kept [out, in])."""
+    model, engine = hf_model(name), _engine(name, layout=layout)
     for length in (1, 63, 130):
         tokens = _prompt(length, seed=length)
         want = _hf_logits(model, tokens)
@@ -134,7 +136,7 @@ def test_fp32_logits_match_hf(name):
         assert got.dtype == np.float32 and got.shape == (1, length, VOCAB)
         scale = np.abs(want).max()
         err = np.abs(got - want).max()
-        print(f"{name} T={length}: max|ours - HF| = {err:.3e}, max|HF| = {scale:.3f}, ratio {err / scale:.2e}")
+        print(f"{name} {layout} T={length}: max|ours - HF| = {err:.3e}, max|HF| = {scale:.3f}, ratio {err / scale:.2e}")
         assert err <= LOGIT_RTOL * scale, (name, length, err, scale)
 
 

@@ -15,7 +15,7 @@ import torch
 from MaxText import pyconfig
 from MaxText.hf_weights import params_from_hf_state_dict
 from MaxText.kernels.grouped_matmul import grouped_matmul
-from MaxText.layers.moe import MoE, RoutedExperts, Router
+from MaxText.layers.moe import MoE, RoutedExperts, Router, shared_rows_fit
 from tests.test_model_hf_parity import CONFIG_NAMES, hf_model, hf_state_dict, our_config
 
 TOL = 1e-5  # x max|reference|
@@ -174,11 +174,15 @@ def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeyp
     from MaxText.kernels.grouped_matmul import pallas_gmm
     options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
                    topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
-                   kda_layers=[1], mla_layers=[])
+                   kda_layers=[1], mla_layers=[], dense_kernel_layout="in_out")
     plain = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": False})
     assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_shared_in_routed  # the default
     rows_config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": True})
+    # The shared expert's kernels stored [out, in] (dense_kernel_layout out_in, the default) stay a separate MLP.
+    out_in = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": True,
+                                                              "dense_kernel_layout": "out_in"})
     monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
+    assert shared_rows_fit(rows_config, 3) and not shared_rows_fit(out_in, 3)
     interpreted, extras = functools.partial(pallas_gmm.grouped_matmul, interpret=True), []
 
     def recorded(*args, **kwargs):  # which launches carry extra weights
@@ -205,7 +209,8 @@ def test_moe_rows_fused_inputs_reach_the_rows_grid(shared_in_routed, monkeypatch
     from MaxText.kernels.grouped_matmul import pallas_gmm
     options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
                    topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
-                   kda_layers=[1], mla_layers=[], moe_shared_in_routed=shared_in_routed)
+                   kda_layers=[1], mla_layers=[], moe_shared_in_routed=shared_in_routed,
+                   dense_kernel_layout="in_out")
     assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_rows_fused_inputs  # the default
     monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
     kernel, seen = pallas_gmm.grouped_matmul, []

@@ -73,6 +73,8 @@ def test_bad_enum_value_lists_the_allowed_values():
     (["ici_tensor_parallelism=0"], r"'ici_tensor_parallelism' is 0; it must be >= 1, or -1"),
     (["layer_types=[kda]"], r"'layer_types' .* is derived from other keys and cannot be set"),
     (["steps"], r"'steps' is not of the form key=value"),
+    (["dense_kernel_layout=out_in", "dense_matmul=pallas"], r"dense_matmul='pallas' reads \[in, out\] kernels"),
+    (["dense_kernel_layout=torch"], r"'dense_kernel_layout' is 'torch'; allowed values: in_out, out_in"),
 ])
 def test_invalid_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

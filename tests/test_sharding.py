@@ -61,7 +61,8 @@ def test_sharded_engine_and_train_step_equal_single_device(report, mesh):
 
 
 def test_params_are_split_as_the_rules_say(report):
-    assert report["meshes"]["tensor=2"]["lm_head_spec"] == "P('fsdp', 'tensor')"
+    # lm_head's kernel is stored [vocab, embed] (dense_kernel_layout out_in, the default): vocab split over tensor
+    assert report["meshes"]["tensor=2"]["lm_head_spec"] == "P('tensor', 'fsdp')"
     assert report["meshes"]["expert=4 x tensor=2"]["experts_spec"] == "P('expert', 'fsdp', 'tensor')"
 
 
@@ -77,7 +78,8 @@ def test_kda_kernel_under_shard_map_equals_the_unsharded_kernel(report):
 def test_sharded_checkpoint_restore_reads_only_each_devices_shard(report):
     ckpt = report["checkpoint"]
     assert ckpt["placement_problems"] == [] and ckpt["values_diff"] == 0.0
-    assert ckpt["q_proj_global_shape"] == [64, 128] and ckpt["q_proj_shard_shape"] == [64, 32]  # tensor=4
+    # q_proj stored [out, in] (dense_kernel_layout out_in): its heads split over tensor=4
+    assert ckpt["q_proj_global_shape"] == [128, 64] and ckpt["q_proj_shard_shape"] == [32, 64]
     assert ckpt["from_checkpoint_logits_diff"] <= TOLERANCE
 
 

@@ -23,11 +23,18 @@ def kernel_init(config: ml_collections.FrozenConfigDict):
 
 
 def create_kernel(module: nn.Module, shape: Sequence[int], kernel_axes: Sequence[str | None]) -> jax.Array:
-    """Creates `module`'s `kernel` param (weight_dtype, logical axes `kernel_axes`) and returns it in config.dtype."""
+    """Creates `module`'s `kernel` param (weight_dtype) and returns it in config.dtype as [in, out] (`shape`, logical
+    axes `kernel_axes`). config.dense_kernel_layout says how the param is stored: in_out as `shape`; out_in as its
+    transpose [out, in] (torch's Linear.weight), returned transposed: XLA reads it in place inside its products,
+    whose one-row form (batch-1 decode) then streams each output's weights contiguously."""
     config = module.config
-    kernel = module.param("kernel", nn.with_logical_partitioning(kernel_init(config), tuple(kernel_axes)),
-                          tuple(shape), jnp.dtype(config.weight_dtype))
-    return kernel.astype(config.dtype)
+    out_in = config.dense_kernel_layout == "out_in"
+    stored_shape, stored_axes = tuple(shape), tuple(kernel_axes)
+    if out_in:
+        stored_shape, stored_axes = stored_shape[::-1], stored_axes[::-1]
+    kernel = module.param("kernel", nn.with_logical_partitioning(kernel_init(config), stored_axes), stored_shape,
+                          jnp.dtype(config.weight_dtype)).astype(config.dtype)
+    return kernel.T if out_in else kernel
 
 
 class DenseKernel(nn.Module):
@@ -46,7 +53,7 @@ class DenseKernel(nn.Module):
 
 
 class Dense(nn.Module):
-    """y = x @ kernel with kernel [in, features] (the transpose of torch's Linear.weight), no bias.
+    """y = x @ kernel with kernel [in, features], no bias (stored as config.dense_kernel_layout says: create_kernel).
 
     x is cast to `config.dtype`, the kernel is stored in `config.weight_dtype`; y has `config.dtype`. The product is
     XLA's, or at decode on one GPU a Pallas kernel (config key `dense_matmul`, MaxText/kernels/grouped_matmul).
@@ -60,9 +67,17 @@ class Dense(nn.Module):
         return project(self.config, x, create_kernel(self, (x.shape[-1], self.features), self.kernel_axes))
 
 
+def dense_matmul_choice(config: ml_collections.FrozenConfigDict) -> str:
+    """The `dense_matmul` implementation the projections ask for: config.dense_matmul, but XLA's product for `auto`
+    with kernels stored out_in (the Pallas kernel reads [in, out] kernels: it would get a transposed copy)."""
+    if config.dense_kernel_layout == "out_in" and config.dense_matmul == "auto":
+        return "xla"
+    return config.dense_matmul
+
+
 def project(config: ml_collections.FrozenConfigDict, x: jax.Array, kernel):
-    """x (cast to config.dtype) @ kernel, or a tuple of products for a tuple of kernels, by config.dense_matmul."""
-    return dense_matmul(x.astype(config.dtype), kernel, implementation=config.dense_matmul,
+    """x (cast to config.dtype) @ kernel, or a tuple of products for a tuple of kernels, by `dense_matmul_choice`."""
+    return dense_matmul(x.astype(config.dtype), kernel, implementation=dense_matmul_choice(config),
                         precision=matmul_precision(config), grid=config.dense_matmul_grid,
                         pad_rows=config.dense_pad_rows)
 

@@ -120,9 +120,9 @@ class RoutedExperts(nn.Module):
 
 def shared_rows_fit(config: ml_collections.FrozenConfigDict, num_tokens: int) -> bool:
     """Whether the MoE runs its shared expert as rows of the routed experts' launches for `num_tokens` tokens:
-    `moe_shared_in_routed`, one shared expert (the routed experts' shape), and the Pallas `rows` grid for all
-    N*(k+1) rows."""
-    return (config.moe_shared_in_routed and config.shared_experts == 1
+    `moe_shared_in_routed`, one shared expert (the routed experts' shape) stored [in, out] as the routed experts
+    (dense_kernel_layout in_out), and the Pallas `rows` grid for all N*(k+1) rows."""
+    return (config.moe_shared_in_routed and config.shared_experts == 1 and config.dense_kernel_layout == "in_out"
             and extra_groups_supported(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim,
                                        num_tokens * (config.num_experts_per_tok + 1)))
 
