@@ -8,8 +8,8 @@ Two HF layouts exist and both are accepted, tensor by tensor:
       concatenated), `self_attn.forget_gate.{f_a_proj,f_b_proj,dt_bias,A_log}`, `mlp.{gate, experts.gate_up_proj
       [E, 2I, D], experts.down_proj [E, D, I], shared_experts}`.
 Our tree (see the conventions): Linear weights [out, in] become `kernel` [in, out] (kept [out, in] for the dense
-projections with `dense_kernel_layout: out_in`); conv weights [C, 1, W] become
-`kernel` [W, C]; `A_log` [1, 1, H, 1] becomes [H]; experts are stacked [E, D, I] / [E, I, D].
+projections with `dense_kernel_layout: out_in`); conv weights [C, 1, W] become `kernel` [W, C]; `A_log` [1, 1, H, 1]
+becomes [H]; experts are stacked [E, D, I] / [E, I, D].
 
 Everything is driven by one table, `hf_tensor_specs(config)`: every HF tensor name a checkpoint of this config may
 hold (both layouts), its shape, and which of our leaves (and which expert slot) it fills. The same table serves

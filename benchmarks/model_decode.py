@@ -22,12 +22,12 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            after one warm-up; compile time reported apart. MoE dispatch: --prefill-moe.
   decode   per batch B (--batches), MoE dispatch (--decode-moe) and variant (--decode-variants: config overrides
            on the same params, e.g. decode_graph_scheduling=serialize; dense_kernel_layout=...: the same values
-           with the dense kernels transposed on the device (Setup.params_for); keys 'xla_...' are XLA options of the step's
-           compile, e.g. xla_gpu_autotune_level=0 (true / false: booleans); steps_per_call=N: N steps unrolled in
-           each call of the timed program, one host dispatch for N steps, no tokens crc): the prefilled prompt's
-           cache repeated over B rows (a synthetic cache of the same context when prefill did not run), B distinct
-           first tokens, then ONE jitted single-step program (cache donated, greedy argmax inside, no host sync in
-           the step) issued back to back.
+           with the dense kernels transposed on the device (Setup.params_for); keys 'xla_...' are XLA options of
+           the step's compile, e.g. xla_gpu_autotune_level=0 (true / false: booleans); steps_per_call=N: N steps
+           unrolled in each call of the timed program, one host dispatch for N steps, no tokens crc): the prefilled
+           prompt's cache repeated over B rows (a synthetic cache of the same context when prefill did not run), B
+           distinct first tokens, then ONE jitted single-step program (cache donated, greedy argmax inside, no host
+           sync in the step) issued back to back.
            Every output of the step is written in place of its own donated input (cache, tokens, the running
            expert counts): the buffers keep their addresses from step to step, so XLA can replay the step's CUDA
            graphs without re-recording them. The step compiles with the config's decode XLA options
