@@ -109,9 +109,11 @@ def our_config(model: KimiLinearForCausalLM, **overrides):
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(name: str, dtype: str = "float32", layout: str = "in_out") -> Engine:
+def _engine(name: str, dtype: str = "float32", layout: str | None = None) -> Engine:
+    """Our engine on `name`'s weights; `layout`: dense_kernel_layout (None: base.yml's default)."""
     model = hf_model(name)
-    config = our_config(model, dtype=dtype, weight_dtype=dtype, dense_kernel_layout=layout)
+    layout_key = {} if layout is None else {"dense_kernel_layout": layout}
+    config = our_config(model, dtype=dtype, weight_dtype=dtype, **layout_key)
     return Engine(config, params_from_hf_state_dict(hf_state_dict(model), config))
 
 
