@@ -229,18 +229,25 @@ def _params_dir(path: str) -> str:
                           f"(written by `python -m MaxText.convert_hf_checkpoint` or checkpointing.save_params){hint}")
 
 
-def read_checkpoint_config(path: str) -> dict[str, Any]:
+def _read_config_file(path: str) -> dict[str, Any]:
     """The raw keys of `path/config.yml`."""
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
         raise CheckpointError(f"checkpoint {path!r} has no {CONFIG_FILE}")
     with open(file, encoding="utf-8") as f:
-        return {**ARCHITECTURE_KEYS_BEFORE, **(yaml.safe_load(f) or {})}
+        return yaml.safe_load(f) or {}
+
+
+def read_checkpoint_config(path: str) -> dict[str, Any]:
+    """The keys of `path/config.yml`, with ARCHITECTURE_KEYS_BEFORE's value for an architecture key it predates."""
+    return {**ARCHITECTURE_KEYS_BEFORE, **_read_config_file(path)}
 
 
 def check_config_matches(path: str, config: Mapping[str, Any]) -> None:
-    """Raises CheckpointError naming every architecture key where `config` differs from the checkpoint's."""
-    stored = read_checkpoint_config(path)
+    """Raises CheckpointError naming every architecture key where `config` differs from the checkpoint's (for a key
+    the checkpoint's config.yml predates, with the override that loads it)."""
+    written = _read_config_file(path)
+    stored = {**ARCHITECTURE_KEYS_BEFORE, **written}
     diffs = []
     for key in ARCHITECTURE_KEYS:
         if key not in stored:
@@ -249,7 +256,8 @@ def check_config_matches(path: str, config: Mapping[str, Any]) -> None:
         if isinstance(want, list):
             got = list(got)
         if want != got:
-            diffs.append(f"{key}: checkpoint {want!r}, config {got!r}")
+            predates = f" (its {CONFIG_FILE} predates the key: set {key}={want})" if key not in written else ""
+            diffs.append(f"{key}: checkpoint {want!r}, config {got!r}{predates}")
     if diffs:
         raise CheckpointError(f"the config does not match the checkpoint at {path!r}: " + "; ".join(diffs))
 

@@ -215,11 +215,11 @@ def _linear(w: np.ndarray) -> list[np.ndarray]:
     return [w.T]  # torch Linear weight [out, in] -> kernel [in, out]
 
 
-LINEAR_TRANSFORMS = {"in_out": _linear, "out_in": lambda w: [w]}  # by our kernel's layout (dense_kernel_layout)
-
-
 def _same(w: np.ndarray) -> list[np.ndarray]:
     return [w]
+
+
+LINEAR_TRANSFORMS = {"in_out": _linear, "out_in": _same}  # by our kernel's layout (dense_kernel_layout)
 
 
 def _flatten(w: np.ndarray) -> list[np.ndarray]:

@@ -206,6 +206,10 @@ def test_checkpoint_from_before_the_layout_key_loads_in_out(tmp_path, hf_model, 
     with pytest.raises(checkpointing.CheckpointError,
                        match="dense_kernel_layout: checkpoint 'in_out', config 'out_in'"):
         checkpointing.load_for_inference(out, dense_kernel_layout="out_in")
+    # A config of its own (train_or_decode.py with load_parameters_path) on the default layout: the error says how.
+    with pytest.raises(checkpointing.CheckpointError, match=r"config.yml predates the key: set "
+                                                            r"dense_kernel_layout=in_out\)"):
+        checkpointing.load_params(out, pyconfig.load_config(config_file, ["dense_kernel_layout=out_in"]))
 
 
 def test_save_and_sharded_load_round_trip(tmp_path, hf_model, native):
