@@ -3,7 +3,7 @@
 Covered in interpret mode: the chunked prefill kernels (pallas_chunk.intra + recurrence, via pallas_ops.chunk_kda:
 fp32 and bf16, l2norm and gate in kernel, initial / final state, T not a multiple of 64, cu_seqlens packs), the
 packed in-place decode kernels with padding rows (pallas_decode, via pallas_ops.packed_decode_kda and
-fused_recurrent_kda, also with the short convolution in the kernel; mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there, and its GPU path
+fused_recurrent_kda; mosaic_decode in Mosaic GPU's interpreter, which writes a fresh pool there, and its GPU path
 lowered for CUDA with the pool aliased in place), the speculative verify kernel (pallas_verify, via
 pallas_ops.recurrent_kda_checkpoints) with fp32 and bf16 checkpoints and writing a state ring in place
 (recurrent_kda_ring_checkpoints), and the serving kernels under shard_map on a 4-device CPU mesh (a subprocess).
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from MaxText.kernels import kda as kda_kernels
-from MaxText.kernels.kda import mosaic_decode, pallas_ops, short_conv
+from MaxText.kernels.kda import mosaic_decode, pallas_ops
 from MaxText.kernels.kda.naive import naive_recurrent_kda
 from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference
 from MaxText.kernels.kda.verify import recurrent_kda_checkpoints, recurrent_kda_ring_checkpoints
@@ -210,83 +210,6 @@ def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(column
     assert_close(our_pool, ref_pool)
     untouched = [1, 2, 3, 5]
     assert np.array_equal(np.asarray(our_pool)[untouched], pool0[untouched]), "padding rows touched the pool"
-
-
-def _conv_inputs(rng, batch, channels, width=4):
-    """A short convolution's window [B, W-1, C] and kernel [W, C] (float32)."""
-    return dict(conv_window=jnp.asarray(rng.standard_normal((batch, width - 1, channels)), jnp.float32),
-                conv_kernel=jnp.asarray(0.5 * rng.standard_normal((width, channels)), jnp.float32))
-
-
-@pytest.mark.parametrize("dtype, in_parts", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)])
-def test_packed_decode_applies_the_short_conv_in_kernel(dtype, in_parts):
-    """Given the conv window and kernel, the Triton kernel (interpreted) takes the projections before the
-    convolution, packed or in parts (q, k, v): the same as the decode of conv_silu_step's output, padding rows
-    included."""
-    H, K, V, S = 2, 32, 32, 7
-    rng = np.random.default_rng(21)
-    slots = jnp.asarray([4, -1, 0, 6, -1], jnp.int32)
-    x = _decode_inputs(rng, 5, H, K, V, S)
-    x["mixed_qkv"] = x["mixed_qkv"].astype(dtype)  # here the projections before the convolution
-    conv = _conv_inputs(rng, 5, x["mixed_qkv"].shape[1])
-    conv["conv_window"] = conv["conv_window"].astype(dtype)
-    mixed = short_conv.conv_silu_step(x["mixed_qkv"], conv["conv_window"], conv["conv_kernel"])
-    assert mixed.dtype == dtype
-    o_want, pool_want = packed_decode_kda_reference(**{**x, "mixed_qkv": mixed}, slot_indices=slots, num_heads=H,
-                                                    head_dim=K, out_dtype=jnp.float32)
-    o_ref, pool_ref = packed_decode_kda_reference(**x, **conv, slot_indices=slots, num_heads=H, head_dim=K,
-                                                  out_dtype=jnp.float32)
-    pool0 = np.asarray(x["state_pool"])
-    if in_parts:
-        x["mixed_qkv"] = tuple(jnp.split(x["mixed_qkv"], [H * K, 2 * H * K], axis=1))
-    o, pool = pallas_ops.packed_decode_kda(**x, **conv, slot_indices=slots, num_heads=H, head_dim=K,
-                                           out_dtype=jnp.float32, interpret=True, block_v=16)  # pool donated
-    assert_close(o_ref, o_want)
-    assert_close(pool_ref, pool_want)
-    assert_close(o, o_want)
-    assert_close(pool, pool_want)
-    assert np.all(np.asarray(o)[[1, 4]] == 0.0), "padding rows must output zeros"
-    untouched = [1, 2, 3, 5]
-    assert np.array_equal(np.asarray(pool)[untouched], pool0[untouched]), "padding rows touched the pool"
-
-
-def test_packed_decode_conv_runs_before_the_mosaic_kernel(monkeypatch):
-    """kernel="mosaic" with the conv window and kernel: conv_silu_step by XLA, then the Mosaic kernel (interpreted)
-    on its output."""
-    H, K, S = 2, 128, 3
-    rng = np.random.default_rng(22)
-    x = _decode_inputs(rng, 2, H, K, K, S)
-    conv = _conv_inputs(rng, 2, x["mixed_qkv"].shape[1])
-    slots = jnp.asarray([2, 0], jnp.int32)
-    seen = []
-    monkeypatch.setattr(mosaic_decode, "decode_step",
-                        lambda *args, **kwargs: seen.append(args[0]) or mosaic_decode.decode_call(*args, **kwargs))
-    o, pool = pallas_ops.packed_decode_kda(**x, **conv, slot_indices=slots, num_heads=H, head_dim=K, kernel="mosaic",
-                                           interpret=True)
-    mixed = short_conv.conv_silu_step(x["mixed_qkv"], conv["conv_window"], conv["conv_kernel"])
-    np.testing.assert_array_equal(seen[0], mixed)
-    o_ref, pool_ref = packed_decode_kda_reference(**x, **conv, slot_indices=slots, num_heads=H, head_dim=K)
-    assert_close(o, o_ref)
-    assert_close(pool, pool_ref)
-
-
-def test_packed_decode_rejects_bad_conv_inputs():
-    H, K, V, S = 2, 32, 32, 3
-    rng = np.random.default_rng(23)
-    x = _decode_inputs(rng, 2, H, K, V, S)
-    conv = _conv_inputs(rng, 2, x["mixed_qkv"].shape[1])
-    slots = jnp.asarray([2, 0], jnp.int32)
-    with pytest.raises(ValueError, match=r"conv window must be \[B, W-1, C\] = \[2, 3, 192\]"):
-        pallas_ops.packed_decode_kda(**x, conv_window=conv["conv_window"][:, 1:], conv_kernel=conv["conv_kernel"],
-                                     slot_indices=slots, num_heads=H, head_dim=K, interpret=True)
-    with pytest.raises(ValueError, match=r"mixed_qkv in parts must be \(q \[B, H\*K\]"):
-        q, k, v = jnp.split(x.pop("mixed_qkv"), [H * K, 2 * H * K], axis=1)
-        pallas_ops.packed_decode_kda((q, k[:, 1:], v), **x, slot_indices=slots, num_heads=H, head_dim=K,
-                                     interpret=True)
-    x["mixed_qkv"] = jnp.concatenate([q, k, v], axis=1)
-    with pytest.raises(ValueError, match="needs both its window and its kernel"):
-        pallas_ops.packed_decode_kda(**x, conv_window=conv["conv_window"], slot_indices=slots, num_heads=H,
-                                     head_dim=K, interpret=True)
 
 
 @pytest.mark.parametrize("batch, grid", [(8, (8, 2, 4)), (32, (2, 2, 32))])
@@ -532,8 +455,6 @@ def sharded_serving_kernels_report() -> dict:
     x = _decode_inputs(np.random.default_rng(11), B, H, K, V, B)
     slots = jnp.asarray([1, -1, 3, 2], jnp.int32)  # each row's slot in its own row shard; a padding row
     o_ref, pool_ref = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K)
-    conv = _conv_inputs(np.random.default_rng(14), B, x["mixed_qkv"].shape[1])
-    o_conv_ref, pool_conv_ref = packed_decode_kda_reference(**x, **conv, slot_indices=slots, num_heads=H, head_dim=K)
     v = random_kda_inputs(np.random.default_rng(12), B, 3, H, K, V, raw_gate=True)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
     o_v_ref, ckpt_ref = recurrent_kda_checkpoints(**v, **kw)
@@ -543,8 +464,6 @@ def sharded_serving_kernels_report() -> dict:
         decode = kda_kernels.partitioned(functools.partial(pallas_ops.packed_decode_kda, interpret=True),
                                          shard_map_packed_decode, rows="cache_batch")
         o, pool = jax.jit(lambda x, s: decode(**x, slot_indices=s, num_heads=H, head_dim=K))(x, slots)
-        o_conv, pool_conv = jax.jit(lambda x, c, s: decode(**x, **c, slot_indices=s, num_heads=H, head_dim=K))(
-            x, conv, slots)
         verify = kda_kernels.partitioned(functools.partial(pallas_ops.recurrent_kda_checkpoints, interpret=True),
                                          shard_map_verify)
         o_v, ckpt = jax.jit(lambda v: verify(**v, **kw))(v)
@@ -552,8 +471,7 @@ def sharded_serving_kernels_report() -> dict:
                                                                 interpret=True), shard_map_verify, rows="cache_batch")
         o_r, ring = jax.jit(lambda r: ring_verify(**r, **kw))(r)
     diff = lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max())  # noqa: E731
-    return {"decode_o": diff(o, o_ref), "decode_pool": diff(pool, pool_ref), "decode_conv_o": diff(o_conv, o_conv_ref),
-            "decode_conv_pool": diff(pool_conv, pool_conv_ref), "verify_o": diff(o_v, o_v_ref),
+    return {"decode_o": diff(o, o_ref), "decode_pool": diff(pool, pool_ref), "verify_o": diff(o_v, o_v_ref),
             "verify_checkpoints": diff(ckpt, ckpt_ref), "ring_verify_o": diff(o_r, o_r_ref),
             "ring_verify_ring": diff(ring, ring_ref), "pool_spec": list(pool.sharding.spec),
             "ring_spec": list(ring.sharding.spec)}

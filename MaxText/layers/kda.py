@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
-from MaxText.kernels.kda.short_conv import causal_conv
 from MaxText.layers.linears import Dense, dense_together
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
@@ -103,6 +102,28 @@ def a_log_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
 
 
+def causal_conv(inputs, window, kernel, segment_ids=None):
+    """Depthwise causal convolution continuing from `window`.
+
+    inputs: [B, T, C]; window: [B, W-1, C] (the previous W-1 inputs); kernel: [W, C]; segment_ids: [B, T] or None
+    (a tap that reaches into another segment contributes nothing: packed documents do not see each other).
+    Returns (outputs [B, T, C] float32, new window [B, W-1, C]).
+    """
+    width = kernel.shape[0]
+    seq_len = inputs.shape[1]
+    padded = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, W-1+T, C]
+    kernel = kernel.astype(jnp.float32)
+    if segment_ids is not None:
+        padded_ids = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+    out = 0.0
+    for tap in range(width):
+        term = padded[:, tap:tap + seq_len].astype(jnp.float32) * kernel[tap]
+        if segment_ids is not None:
+            term = jnp.where((padded_ids[:, tap:tap + seq_len] == segment_ids)[..., None], term, 0.0)
+        out = out + term
+    return out, padded[:, seq_len:]
+
+
 class ShortConvKernel(nn.Module):
     """The [W, C] depthwise kernel of one short convolution (HF Conv1d weight [C, 1, W], transposed)."""
 
@@ -158,8 +179,8 @@ class KimiDeltaAttention(nn.Module):
             x = jnp.where((decoder_segment_ids != 0)[..., None], x, jnp.zeros_like(x))
 
         # Projections and the three short convolutions (one fused depthwise conv over q|k|v channels).
-        projections = dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj"))
-        qkv_pre = jnp.concatenate(projections, axis=-1)  # [B, T, 3*H*K]
+        qkv_pre = jnp.concatenate(dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj")),
+                                  axis=-1)  # [B, T, 3*H*K]
         conv_kernel = jnp.concatenate([ShortConvKernel(width, qkv_dim, jnp.dtype(cfg.weight_dtype), name=name)()
                                        for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
@@ -187,20 +208,16 @@ class KimiDeltaAttention(nn.Module):
 
         if (model_mode == "autoregressive" and seq_len == 1
                 and kda_kernels.resolve(cfg.kda_kernel, "decode", head_dim, head_dim) == "pallas"):
-            # Serving decode: the packed kernel takes the conv output (or with kda_conv_in_decode_kernel the three
-            # projections as they are, the conv window and kernel: it applies the convolution itself), raw gate and
-            # beta logit as they are and updates the cache's state in place (the pool is the ring itself, row b's
-            # committed state at pool row b*S + state_slot[b]; donate the cache to the jitted step for a true
-            # in-place update).
+            # Serving decode: the packed kernel takes the conv output, raw gate and beta logit as they are and updates
+            # the cache's state in place (the pool is the ring itself, row b's committed state at pool row
+            # b*S + state_slot[b]; donate the cache to the jitted step for a true in-place update).
             ring = state_ring.value
             num_slots = ring.shape[1]
             pool_rows = jnp.arange(batch, dtype=jnp.int32) * num_slots + state_slot.value
-            conv = (dict(conv_window=window, conv_kernel=conv_kernel) if cfg.kda_conv_in_decode_kernel else {})
             o, pool = kda_kernels.packed_decode_kda(
-                tuple(p[:, 0] for p in projections) if conv else mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0],
-                A_log, dt_bias,
+                mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias,
                 ring.reshape(batch * num_slots, *ring.shape[2:]), pool_rows, num_heads=num_heads,
-                head_dim=head_dim, implementation=cfg.kda_kernel, **conv)  # o: [B, H, V]; pool: [B*S, H, K, V]
+                head_dim=head_dim, implementation=cfg.kda_kernel)  # o: [B, H, V]; pool: [B*S, H, K, V]
             return self._update_cache_and_output(g_a, o[:, None], conv_state, new_window, state_ring,
                                                  pool.reshape(ring.shape))
 

@@ -1,15 +1,11 @@
 """Packed single-token KDA decode over a state pool (seed 004), in plain JAX: the oracle and the CPU fallback.
 
     o, new_pool = packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                              num_heads=H, head_dim=K, scale=None, out_dtype=None,
-                                              conv_window=None, conv_kernel=None)
+                                              num_heads=H, head_dim=K, scale=None, out_dtype=None)
 
 Inputs (one decode token per row; B rows):
   mixed_qkv:    [B, 2*H*K + H*V]  the short-conv output (after silu), q then k then v, any float dtype;
                 q and k are NOT yet l2-normalised (that happens here, fp32, eps 1e-6 inside the sqrt).
-                With conv_window [B, W-1, C] and conv_kernel [W, C] (C = 2*H*K + H*V): the projections before
-                the short convolution, which is applied first (`short_conv.conv_silu_step`). Also accepted in
-                parts, (q [B, H*K], k [B, H*K], v [B, H*V]), as the Pallas kernel reads them (no concatenate).
   a:            [B, H*K]          raw gate input; g = -exp(A_log[h]) * softplus(a + dt_bias)  (fp32)
   b:            [B, H]            raw beta logit; beta = sigmoid(b)
   A_log:        [H]               dt_bias: [H*K]
@@ -34,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 from MaxText.kernels.kda.common import kda_gate, l2norm
 from MaxText.kernels.kda.naive import kda_step
 from MaxText.kernels.kda.sharded import spec_axes
-from MaxText.kernels.kda.short_conv import conv_silu_step
 
 
 class PackedLayout:
@@ -49,30 +44,8 @@ class PackedLayout:
         self.value_dim = (mixed_width - qk_width) // num_heads
 
 
-def packed_row(mixed_qkv):
-    """The packed row [B, 2*H*K + H*V]: `mixed_qkv` itself, or its parts (q, k, v) concatenated."""
-    return jnp.concatenate(mixed_qkv, axis=-1) if isinstance(mixed_qkv, (tuple, list)) else mixed_qkv
-
-
-def _packed_row_shape(mixed_qkv, num_heads: int, head_dim: int):
-    """The shape and dtype of `packed_row(mixed_qkv)` (nothing concatenated), after checking the parts: q [B, H*K],
-    k [B, H*K], v [B, H*V] of one dtype."""
-    if not isinstance(mixed_qkv, (tuple, list)):
-        return mixed_qkv
-    shapes = [tuple(part.shape) for part in mixed_qkv]
-    qk_width = num_heads * head_dim
-    if (len(shapes) != 3 or any(len(shape) != 2 or shape[0] != shapes[0][0] for shape in shapes)
-            or shapes[0][1] != qk_width or shapes[1][1] != qk_width
-            or len({jnp.dtype(part.dtype) for part in mixed_qkv}) != 1):
-        raise ValueError(f"mixed_qkv in parts must be (q [B, H*K], k [B, H*K], v [B, H*V]) of one dtype with "
-                         f"H*K = {qk_width}; got shapes {shapes} and dtypes {[str(p.dtype) for p in mixed_qkv]}")
-    return jax.ShapeDtypeStruct((shapes[0][0], sum(shape[1] for shape in shapes)), mixed_qkv[0].dtype)
-
-
 def check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim):
-    """Validates the packed-decode shapes (`mixed_qkv` packed or in parts); returns the layout (value head dim V
-    included)."""
-    mixed_qkv = _packed_row_shape(mixed_qkv, num_heads, head_dim)
+    """Validates the packed-decode shapes; returns the layout (value head dim V included)."""
     if mixed_qkv.ndim != 2:
         raise ValueError(f"mixed_qkv must be [B, 2*H*K + H*V], got shape {mixed_qkv.shape}")
     layout = PackedLayout(mixed_qkv.shape[1], num_heads, head_dim)
@@ -100,22 +73,11 @@ def split_packed(mixed_qkv, num_heads: int, head_dim: int, value_dim: int):
     return q, k, v
 
 
-def convolved(mixed_qkv, conv_window, conv_kernel):
-    """The packed row (`packed_row`), or silu(conv) of it when the short convolution's window and kernel are
-    given."""
-    mixed_qkv = packed_row(mixed_qkv)
-    if conv_window is None and conv_kernel is None:
-        return mixed_qkv
-    return conv_silu_step(mixed_qkv, conv_window, conv_kernel)
-
-
 def packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int,
-                                head_dim: int, scale: float | None = None, out_dtype=None, conv_window=None,
-                                conv_kernel=None):
+                                head_dim: int, scale: float | None = None, out_dtype=None):
     """Pure-JAX packed decode (see the module docstring); fp32 math on `naive.kda_step`. o is in `out_dtype`
     (default: mixed_qkv's dtype)."""
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
-    mixed_qkv = convolved(mixed_qkv, conv_window, conv_kernel)  # the packed conv output
     H, K, V = num_heads, head_dim, layout.value_dim
     scale = K ** -0.5 if scale is None else scale
     q, k, v = split_packed(mixed_qkv, H, K, V)  # [B, H, K], [B, H, K], [B, H, V]
@@ -143,8 +105,7 @@ def shard_map_packed_decode(kernel_fn: Callable, mesh, row_axes: Sequence[str], 
     passed through untouched, so it stays in place). `slot_indices` are global pool rows; each shard subtracts its
     first pool row. Row i's slot must lie in row i's own shard of the pool (as for the KDA block's cache: pool row i
     is batch row i); a slot held by another shard is treated as padding there (zero output, no state written).
-    B and S must be multiples of the row shards, H of the head shards. A short convolution given to it (conv_window,
-    conv_kernel) runs before the shards' kernels, by XLA.
+    B and S must be multiples of the row shards, H of the head shards.
     """
     rows, heads = spec_axes(row_axes), spec_axes(head_axes)
     in_specs = (P(rows, None, heads, None), P(rows, heads, None), P(rows, heads, None), P(rows, heads), P(heads),
@@ -152,9 +113,8 @@ def shard_map_packed_decode(kernel_fn: Callable, mesh, row_axes: Sequence[str], 
     out_specs = (P(rows, heads, None), P(rows, heads, None, None))
 
     def sharded(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
-                conv_window=None, conv_kernel=None, **kwargs):
+                **kwargs):
         layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
-        mixed_qkv = convolved(mixed_qkv, conv_window, conv_kernel)  # by XLA, before the shards' kernels
         batch, H, K, V = mixed_qkv.shape[0], num_heads, head_dim, layout.value_dim
         qk = mixed_qkv[:, :2 * H * K].reshape(batch, 2, H, K)
         v = mixed_qkv[:, 2 * H * K:].reshape(batch, H, V)

@@ -1,8 +1,7 @@
 """Pallas (Triton lowering) single-token KDA decode over a state pool, updated in place.
 
-One program per (batch row, head, block of BV value columns): it reads the row's packed conv output (or, given
-the conv window and kernel, the packed projections before the short convolution, and computes silu(conv) of its
-slices itself: `short_conv.conv_silu_step`), computes l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row
+One program per (batch row, head, block of BV value columns): it reads the row's packed conv output, computes
+l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of the fp32 state from the pool row
 `slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
 and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
@@ -23,8 +22,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
-from MaxText.kernels.kda.packed_decode import packed_row
-from MaxText.kernels.kda.short_conv import check_conv_inputs
 
 
 def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate_in_kernel, l2norm_in_kernel,
@@ -75,45 +72,20 @@ def item_ids(columns_fastest: bool):
     return (last, head, first) if columns_fastest else (first, head, last)
 
 
-def conv_silu_slice(token_ref, token_channels, window_ref, conv_ref, channels, row):
-    """silu(causal conv) of one row's channels inside a kernel, as `short_conv.conv_silu_step`: the token's
-    `token_channels` (a pl.ds of `token_ref`) are the window's and kernel's `channels`; the taps summed in float32 in
-    window order, the result rounded to the projections' dtype (as the unfused path stores it)."""
-    f32 = jnp.float32
-    width = conv_ref.shape[0]
-    out = 0.0
-    for tap in range(width - 1):
-        out = out + window_ref[row, tap, channels].astype(f32) * conv_ref[tap, channels].astype(f32)
-    out = out + token_ref[row, token_channels].astype(f32) * conv_ref[width - 1, channels].astype(f32)
-    return jax.nn.silu(out).astype(token_ref.dtype)
-
-
-def _decode_kernel(*refs, token_parts, num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel,
-                   beta_logit, columns_fastest, with_conv):
-    token_refs, refs = refs[:token_parts], refs[token_parts:]
-    a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, *refs = refs
-    window_ref, conv_ref, o_ref, pool_out_ref = refs if with_conv else (None, None, *refs)
+def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
+                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit,
+                   columns_fastest):
     row, head, vblk = item_ids(columns_fastest)
     H, K = num_heads, head_k
     slot = slot_ref[row]
     valid = slot >= 0
     safe = jnp.where(valid, slot, 0)  # a padding row reads pool row 0 and stores nothing
     cols = pl.ds(vblk * block_v, block_v)
-    part_start = (0, H * K, 2 * H * K)  # q, k, v in the packed row
-
-    def mixed(part, offset, size):  # `size` values of the conv output's q | k | v `part` from `offset`, this row
-        token_ref, start = (token_refs[part], 0) if token_parts == 3 else (token_refs[0], part_start[part])
-        token_channels = pl.ds(start + offset, size)
-        if with_conv:
-            return conv_silu_slice(token_ref, token_channels, window_ref, conv_ref,
-                                   pl.ds(part_start[part] + offset, size), row)
-        return token_ref[row, token_channels]
-
     q, k, g, beta = token_factors(
-        mixed(0, head * K, K), mixed(1, head * K, K), a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref,
-        dtb_ref, head, head_k=K, scale=scale, gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel,
-        beta_logit=beta_logit)
-    v = mixed(2, head * head_v + vblk * block_v, block_v).astype(jnp.float32)  # [BV]
+        qkv_ref[row, pl.ds(head * K, K)], qkv_ref[row, pl.ds(H * K + head * K, K)],
+        a_ref[row, pl.ds(head * K, K)], b_ref[row, head], alog_ref, dtb_ref, head, head_k=K, scale=scale,
+        gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit)
+    v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
     state = pool_ref[safe, head, :, cols]
     state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
     o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
@@ -122,42 +94,32 @@ def _decode_kernel(*refs, token_parts, num_heads, head_k, head_v, block_v, scale
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                columns_fastest=False, out_dtype=None, conv_window=None, conv_kernel=None, interpret=False):
+                columns_fastest=False, out_dtype=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
-    columns_fastest: `item_grid`'s order. conv_window [B, W-1, C], conv_kernel [W, C] (both or neither):
-    `mixed_qkv` is then the projections before the short convolution, which the kernel applies (with silu).
-    `mixed_qkv` may also be given in parts, (q [B, H*K], k [B, H*K], v [B, H*V]): each read from its own buffer
-    (a packed row would have to be concatenated from them first).
+    columns_fastest: `item_grid`'s order.
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
-    parts = tuple(mixed_qkv) if isinstance(mixed_qkv, (tuple, list)) else (mixed_qkv,)  # the Refs the kernel reads
-    batch = parts[0].shape[0]
+    batch = mixed_qkv.shape[0]
     H, K = num_heads, head_dim
     V = state_pool.shape[-1]
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
-    if len(parts) not in (1, 3):
-        raise ValueError(f"mixed_qkv: one packed row or its 3 parts (q, k, v), got {len(parts)} arrays")
-    conv = ()
-    if conv_window is not None or conv_kernel is not None:
-        check_conv_inputs(jax.eval_shape(packed_row, parts), conv_window, conv_kernel)
-        conv = (conv_window, conv_kernel)
-    kernel = functools.partial(_decode_kernel, token_parts=len(parts), num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
+    kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
                                gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit,
-                               columns_fastest=columns_fastest, with_conv=bool(conv))
+                               columns_fastest=columns_fastest)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, H, V), parts[0].dtype if out_dtype is None else out_dtype),
+        out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
         grid=item_grid(batch, H, V // block_v, columns_fastest),
-        input_output_aliases={len(parts) + 5: 1},
+        input_output_aliases={6: 1},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_packed_decode",
-    )(*parts, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool, *conv)
+    )(mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool)
 
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),

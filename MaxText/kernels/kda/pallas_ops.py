@@ -4,8 +4,7 @@
     o, final_state = chunk_kda(q, k, v, g, beta, **fla-style kwargs)           # prefill: pallas_chunk.py
     o, final_state = fused_recurrent_kda(q, k, v, g, beta, **same kwargs)      # decode:  pallas_decode.py
     o, new_pool = packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                    num_heads=H, head_dim=K, scale=None,
-                                    conv_window=None, conv_kernel=None)         # serving decode (seed 004):
+                                    num_heads=H, head_dim=K, scale=None)        # serving decode (seed 004):
                                                              # pallas_decode.py, or mosaic_decode.py (decode_kernel)
     o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, **kwargs)  # verify: pallas_verify.py
     o, state_ring = recurrent_kda_ring_checkpoints(q, k, v, g, beta, state_ring=R, state_slot=s, **kwargs)  # in place
@@ -27,8 +26,7 @@ import numpy as np
 
 from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify, verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
-from MaxText.kernels.kda.packed_decode import check_packed_inputs, convolved, packed_row
-from MaxText.kernels.kda.short_conv import check_conv_inputs
+from MaxText.kernels.kda.packed_decode import check_packed_inputs
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 
@@ -213,17 +211,13 @@ def _mosaic_decode():
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
-                      scale: float | None = None, out_dtype=None, conv_window=None, conv_kernel=None,
-                      interpret: bool = False, kernel: str | None = None, block_v: int | None = None,
-                      num_warps: int | None = None, columns_fastest: bool | None = None):
+                      scale: float | None = None, out_dtype=None, interpret: bool = False, kernel: str | None = None,
+                      block_v: int | None = None, num_warps: int | None = None, columns_fastest: bool | None = None):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
-    mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed; or in parts, (q [B, H*K], k [B, H*K],
-    v [B, H*V]), each read from its own buffer by the Triton kernel); a [B, H*K] raw gate; b [B, H] raw beta
+    mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
     logit; A_log [H]; dt_bias [H*K]; state_pool [S, H, K, V] float32; slot_indices [B] int32 (-1 = padding row:
     zero output, pool row untouched). Computes l2norm, scale (default K**-0.5), gate and sigmoid(beta) in-kernel.
-    With conv_window [B, W-1, C] and conv_kernel [W, C], mixed_qkv is the projections before the short convolution,
-    and silu(conv) is computed in the Triton kernel (`short_conv.conv_silu_step`; before the Mosaic kernel, by XLA).
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), new_pool). The pool is donated when this is
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
     Reference semantics: `packed_decode.packed_decode_kda_reference`. kernel: 'triton' | 'mosaic' (default
@@ -232,12 +226,9 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
-    packed_shape = jax.eval_shape(packed_row, mixed_qkv)
-    if conv_window is not None or conv_kernel is not None:
-        check_conv_inputs(packed_shape, conv_window, conv_kernel)
     scale = head_dim ** -0.5 if scale is None else float(scale)
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype)
-    batch = packed_shape.shape[0]
+    batch = mixed_qkv.shape[0]
     kernel = kernel or ("triton" if interpret else decode_kernel(batch, head_dim, layout.value_dim))
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
@@ -245,7 +236,6 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
         triton_options = {"block_v": block_v, "num_warps": num_warps, "columns_fastest": columns_fastest}
         if given := [name for name, value in triton_options.items() if value is not None]:
             raise ValueError(f"{', '.join(given)}: options of the Triton decode kernel, not of kernel='mosaic'")
-        mixed_qkv = convolved(mixed_qkv, conv_window, conv_kernel)  # by XLA: the packed conv output
         return _mosaic_decode().decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                             num_heads=num_heads, head_dim=head_dim, scale=scale,
                                             out_dtype=out_dtype, interpret=interpret)
@@ -255,8 +245,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
                                      num_warps=num_warps or default_warps,
                                      columns_fastest=default_order if columns_fastest is None else columns_fastest,
-                                     out_dtype=out_dtype, conv_window=conv_window, conv_kernel=conv_kernel,
-                                     interpret=interpret)
+                                     out_dtype=out_dtype, interpret=interpret)
 
 
 def _recurrent_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
