@@ -397,13 +397,13 @@ def test_tiles_pipeline_fits_shared_memory():
 
 
 def test_default_tiles_for_few_rows():
-    """Up to 16 bf16 rows: the tensor-core rows grid, K split in two from 16 blocks on with block_n 128 (the 48B
-    gate/up: 18 blocks of 128, 15.5 vs 23.1 us for the FMA grid on an H200), else K whole with block_n 64 (down: 8
-    blocks); bf16 rows on the FMA grid (rows_mma False): 2 warps, block_n 64, K in two from 16 blocks else in four;
-    gate and up in one launch: block_n 64 on the tensor cores; float32 rows keep the FMA grid with 6 K splits where
-    they divide K's blocks, else 2, else 1; more rows keep K whole on the tiles grid."""
+    """Up to 16 bf16 rows: the tensor-core rows grid with block_n 64, K split in two from 16 blocks on (the 48B
+    gate/up: 18 blocks of 128), else K whole (down: 8 blocks); bf16 rows on the FMA grid (rows_mma False): 2 warps,
+    block_n 64, K in two from 16 blocks else in four; gate and up in one launch: block_n 64 on the tensor cores;
+    float32 rows keep the FMA grid with 6 K splits where they divide K's blocks, else 2, else 1; more rows keep K
+    whole on the tiles grid."""
     tiles = pallas_gmm.default_tiles
-    assert tiles(8, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 128, "split_k": 2, "rows_mma": True,
+    assert tiles(8, jnp.bfloat16, 18) == {"block_m": 16, "block_n": 64, "split_k": 2, "rows_mma": True,
                                           "num_warps": 4}
     assert tiles(8, jnp.bfloat16, 8) == {"block_m": 16, "block_n": 64, "split_k": 1, "rows_mma": True,
                                          "num_warps": 4}

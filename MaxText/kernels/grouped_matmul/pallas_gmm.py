@@ -67,25 +67,27 @@ def default_tiles(num_rows: int, dtype, k_blocks: int, one_launch: bool = False,
     (`rows` grid) whether each program multiplies by several arrays (`one_launch`) and the product requested
     (`rows_mma`: None for the default). Measured on an H200 at Kimi-Linear-48B's expert shapes
     (benchmarks/grouped_matmul.py --sweep, bf16, 8 rows: batch-1 decode): on the tensor cores (`rows_mma`), gate/up
-    (18 K blocks of 128) 15.5 us with block_n 128 and 2 K splits (FMA rows grid 23.1 with block_n 64 and 6 splits, the
-    previous default), down (8 K blocks) 20.6 us with block_n 64 and K whole (FMA 25.3 with 2 splits): K splits in two
-    from 16 blocks on (each program then reads at most ~9 blocks), and block_n 128 where K is split, 64 where it is
-    not. At the 48B step's 9 rows (the shared expert's row too; two sweeps, twelfth session): the FMA grid with 2
-    warps, block_n 64 and 2 K splits was the fastest gate/up (14.9 / 15.0 us vs 18.0 / 19.9 with the tensor-core
-    default), and for down 4 K splits (16.8 us): the bf16 FMA grid's tiles (`moe_rows_product=fma`). In one launch
-    for gate and up (`one_launch`, each program both arrays), block_n 64 and 2 K splits on the tensor cores (27.2 us
-    at 9 rows, vs 31.6 with block_n 32 and K whole). float32 rows keep the FMA grid (3-pass tf32 would triple the
-    products): block_n 64 and 6 K splits where they divide K's blocks, else 2, else 1.
-    64 rows 75 us with block_n 128 (rows or tiles grid); 512 rows 257 us with tiles of block_n 128 (268-279 us with
-    64). float32 keeps block_n 64: three pipeline stages of fp32 [64, 128] row and [128, 128] weight blocks would
-    exceed an H200's 227 KiB of shared memory."""
+    (18 K blocks of 128) 15.5 us with block_n 128 and 2 K splits (FMA rows grid 23.1 with block_n 64 and 6 splits,
+    the previous default), down (8 K blocks) 20.6 us with block_n 64 and K whole (FMA 25.3 with 2 splits): K splits
+    in two from 16 blocks on (each program then reads at most ~9 blocks), and block_n 64. (Alone, gate/up was fastest
+    with block_n 128; in the 48B batch-1 step, where the gate and up launches run side by side, block_n 64 (256
+    programs a launch instead of 128) took 0.52 vs 0.55 ms for the 52 launches, 2.600 / 2.625 vs 2.666 / 2.645 ms per
+    token in one process, the same tokens and cache bits: benchmarks/RESULTS.md, nineteenth session.) At the 48B
+    step's 9 rows (the shared expert's row too; two sweeps, twelfth session): the FMA grid with 2 warps, block_n 64
+    and 2 K splits was the fastest gate/up (14.9 / 15.0 us vs 18.0 / 19.9 with the tensor-core default), and for down
+    4 K splits (16.8 us): the bf16 FMA grid's tiles (`moe_rows_product=fma`). In one launch for gate and up
+    (`one_launch`, each program both arrays), block_n 64 and 2 K splits on the tensor cores (27.2 us at 9 rows, vs
+    31.6 with block_n 32 and K whole). float32 rows keep the FMA grid (3-pass tf32 would triple the products):
+    block_n 64 and 6 K splits where they divide K's blocks, else 2, else 1. 64 rows 75 us with block_n 128 (rows or
+    tiles grid); 512 rows 257 us with tiles of block_n 128 (268-279 us with 64). float32 keeps block_n 64: three
+    pipeline stages of fp32 [64, 128] row and [128, 128] weight blocks would exceed an H200's 227 KiB of shared
+    memory."""
     bf16 = jnp.dtype(dtype) == jnp.bfloat16
     halves = 2 if k_blocks >= 16 and k_blocks % 2 == 0 else 1  # K in two from 16 blocks on
     if num_rows <= ROWWISE_MAX_ROWS and bf16 and one_launch:
         return {"block_m": 16, "block_n": 64, "split_k": halves, "rows_mma": True, "num_warps": 4}
     if num_rows <= ROWWISE_MAX_ROWS and bf16 and rows_mma is not False:
-        return {"block_m": 16, "block_n": 128 if halves > 1 else 64, "split_k": halves, "rows_mma": True,
-                "num_warps": 4}
+        return {"block_m": 16, "block_n": 64, "split_k": halves, "rows_mma": True, "num_warps": 4}
     if num_rows <= ROWWISE_MAX_ROWS and bf16:
         split_k = halves if halves > 1 else next((d for d in (4, 2) if k_blocks % d == 0), 1)
         return {"block_m": 16, "block_n": 64, "split_k": split_k, "rows_mma": False, "num_warps": 2}
