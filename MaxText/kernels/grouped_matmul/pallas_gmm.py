@@ -84,9 +84,7 @@ def default_tiles(num_rows: int, dtype, k_blocks: int, one_launch: bool = False,
     memory."""
     bf16 = jnp.dtype(dtype) == jnp.bfloat16
     halves = 2 if k_blocks >= 16 and k_blocks % 2 == 0 else 1  # K in two from 16 blocks on
-    if num_rows <= ROWWISE_MAX_ROWS and bf16 and one_launch:
-        return {"block_m": 16, "block_n": 64, "split_k": halves, "rows_mma": True, "num_warps": 4}
-    if num_rows <= ROWWISE_MAX_ROWS and bf16 and rows_mma is not False:
+    if num_rows <= ROWWISE_MAX_ROWS and bf16 and (one_launch or rows_mma is not False):
         return {"block_m": 16, "block_n": 64, "split_k": halves, "rows_mma": True, "num_warps": 4}
     if num_rows <= ROWWISE_MAX_ROWS and bf16:
         split_k = halves if halves > 1 else next((d for d in (4, 2) if k_blocks % d == 0), 1)
