@@ -40,7 +40,7 @@ ARCHITECTURE_KEYS = (
     "n_routing_groups", "topk_routing_group", "norm_topk_prob", "dense_kernel_layout",
 )
 # What a checkpoint's config.yml written before an architecture key existed stands for.
-ARCHITECTURE_KEYS_BEFORE = {"dense_kernel_layout": "in_out"}
+ARCHITECTURE_KEYS_BEFORE = {"dense_kernel_layout": hf_weights.DENSE_LAYOUT_WITHOUT_KEY}
 
 
 class CheckpointError(ValueError):

@@ -220,6 +220,9 @@ def _same(w: np.ndarray) -> list[np.ndarray]:
 
 
 LINEAR_TRANSFORMS = {"in_out": _linear, "out_in": _same}  # by our kernel's layout (dense_kernel_layout)
+# The dense kernels' layout of a config without the key (config_from_hf's keys alone, or a checkpoint's config.yml
+# written before the key existed: checkpointing.ARCHITECTURE_KEYS_BEFORE): the one from before the key.
+DENSE_LAYOUT_WITHOUT_KEY = "in_out"
 
 
 def _flatten(w: np.ndarray) -> list[np.ndarray]:
@@ -248,7 +251,7 @@ class _Table:
     dense projections' kernels are stored (config key dense_kernel_layout; MaxText.layers.linears.create_kernel)."""
 
     def __init__(self, config: Mapping[str, Any]):
-        self.dense_layout = config.get("dense_kernel_layout", "in_out")
+        self.dense_layout = config.get("dense_kernel_layout", DENSE_LAYOUT_WITHOUT_KEY)
         self.dense_kernels: set[Path] = set()  # the kernels stored as dense_layout says
         self.leaves: dict[Path, tuple[int, ...]] = {}
         self.stacked: dict[Path, int] = {}  # leaf path -> number of expert slots, for leaves filled slot by slot
