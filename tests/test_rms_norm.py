@@ -1,6 +1,7 @@
-"""RMSNorm (MaxText/kernels/rms_norm): the Pallas kernel through the interpreter on CPU against the oracle, its
-gradients, the dispatcher's choices and errors, and the RMSNorm layer taking the kernel when it resolves to it. The
-Triton compile and the GPU speed are checked by benchmarks/model_decode.py (`--decode-variants '' norm_kernel=xla`)."""
+"""RMSNorm (MaxText/kernels/rms_norm): the Pallas kernels (the norm, and the norm with the residual stream's add)
+through the interpreter on CPU against the oracle, their gradients, the dispatcher's choices and errors, and the
+RMSNorm layer taking the kernels when they resolve. The Triton compile and the GPU speed are checked by
+benchmarks/model_decode.py (`--decode-variants '' norm_kernel=xla norm_adds_residual=false`)."""
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,24 @@ def test_pallas_rms_norm_matches_the_oracle(rows, dim, dtype):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,dim", [(1, 2304), (3, 100)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_pallas_add_rms_norm_matches_the_oracle(rows, dim, dtype):
+    """The add in the norm's kernel: the sum is the oracle's bit for bit (x's dtype; a float32 update is cast to it
+    first) and the norm is taken of that rounded sum."""
+    x, scale = _inputs(rows, dim, dtype)
+    update = jnp.asarray(np.random.default_rng(7).normal(size=(rows, dim)) * 2.0, jnp.float32)
+    normed, summed = pallas_norm.add_rms_norm(x, update, scale, 1e-6, True)
+    want_normed, want_summed = naive.add_rms_norm(x, update, scale, 1e-6)
+    assert summed.dtype == normed.dtype == dtype and summed.shape == normed.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(summed, np.float32), np.asarray(want_summed, np.float32))
+    assert not np.array_equal(np.asarray(summed, np.float32), np.asarray(x, np.float32))
+    np.testing.assert_array_equal(np.asarray(normed, np.float32),
+                                  np.asarray(pallas_norm.rms_norm(want_summed, scale, 1e-6, True), np.float32))
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32),
+                               rtol=8e-3 if dtype == jnp.bfloat16 else 1e-6, atol=1e-6)
+
+
 def test_pallas_rms_norm_gradients_are_the_oracles():
     x, scale = _inputs(2, 256, jnp.float32, seed=1)
     cotangent = jnp.asarray(np.random.default_rng(2).normal(size=x.shape), jnp.float32)
@@ -45,6 +64,16 @@ def test_pallas_rms_norm_gradients_are_the_oracles():
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
+    update = jnp.asarray(np.random.default_rng(3).normal(size=x.shape), jnp.float32)
+
+    def add_loss(fn):  # both outputs reach the loss, as in the decoder (the norm and the residual stream)
+        return lambda x, update, scale: jnp.sum((fn(x, update, scale)[0] + 0.5 * fn(x, update, scale)[1]) * cotangent)
+    got = jax.grad(add_loss(lambda x, u, s: pallas_norm.add_rms_norm(x, u, s, 1e-6, True)), argnums=(0, 1, 2))(
+        x, update, scale)
+    want = jax.grad(add_loss(lambda x, u, s: naive.add_rms_norm(x, u, s, 1e-6)), argnums=(0, 1, 2))(x, update, scale)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
 
 def test_limits_and_dispatcher(monkeypatch):
     x, scale = _inputs(2, 64, jnp.float32)
@@ -52,6 +81,10 @@ def test_limits_and_dispatcher(monkeypatch):
         pallas_norm.rms_norm(x, scale[:32], 1e-6, True)
     with pytest.raises(ValueError, match="bfloat16 or float32 rows, got float16"):
         pallas_norm.rms_norm(x.astype(jnp.float16), scale, 1e-6, True)
+    with pytest.raises(ValueError, match=r"expected update of x's shape \(2, 64\), got \(1, 64\)"):
+        pallas_norm.add_rms_norm(x, x[:1], scale, 1e-6, True)
+    with pytest.raises(ValueError, match=r"add_rms_norm: update has shape \(2, 32\), expected x's \(2, 64\)"):
+        norms.add_rms_norm(x, x[:, :32], scale, epsilon=1e-6)
     assert "at most 16384" in pallas_norm.unsupported_reason(jnp.bfloat16, 20000)
     assert norms.resolve("auto", jnp.bfloat16, 2304, 1) == "xla"  # CPU
     with pytest.raises(ValueError, match="norm_kernel='cuda' is unknown"):
@@ -86,3 +119,28 @@ def test_rms_norm_layer_takes_the_kernel_when_resolved(monkeypatch):
     got = RMSNorm(config).apply(params, x)
     assert calls == [(2, 256)]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("adds_residual", [True, False])
+def test_rms_norm_layer_adds_the_update(monkeypatch, adds_residual):
+    """RMSNorm(x, update=...) returns (norm(x + update), x + update) as the xla layer does; with norm_kernel resolved
+    to pallas and norm_adds_residual the add runs in the norm's kernel (one call of add_rms_norm), without it XLA
+    adds and the plain kernel takes the sum."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(1, 1, 256)), jnp.bfloat16)
+    update = jnp.asarray(rng.normal(size=(1, 1, 256)), jnp.bfloat16)
+    layer = RMSNorm(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"emb_dim": 256, "norm_kernel": "xla"}))
+    params = jax.tree.map(lambda p: p * 1.5 + 0.25, layer.init(jax.random.PRNGKey(0), x, update))
+    want_normed, want_summed = layer.apply(params, x, update)
+    np.testing.assert_array_equal(np.asarray(want_summed, np.float32), np.asarray(x + update, np.float32))
+    calls, plain, added = [], pallas_norm.rms_norm, pallas_norm.add_rms_norm
+    monkeypatch.setattr(norms, "resolve", lambda *a: "pallas")
+    monkeypatch.setattr(pallas_norm, "rms_norm", lambda x, s, e: calls.append("rms_norm") or plain(x, s, e, True))
+    monkeypatch.setattr(pallas_norm, "add_rms_norm",
+                        lambda x, u, s, e: calls.append("add_rms_norm") or added(x, u, s, e, True))
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"emb_dim": 256, "norm_adds_residual": adds_residual})
+    normed, summed = RMSNorm(config).apply(params, x, update)
+    assert calls == ["add_rms_norm" if adds_residual else "rms_norm"]
+    np.testing.assert_array_equal(np.asarray(summed, np.float32), np.asarray(want_summed, np.float32))
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32), rtol=8e-3,
+                               atol=1e-6)

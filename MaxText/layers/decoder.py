@@ -1,5 +1,7 @@
 """One Kimi-Linear decoder layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)).
 
+The first residual add is the post-attention norm's (`RMSNorm(x, update=...)`: one kernel with `norm_adds_residual`).
+
 The mixer is KDA or MLA and the MLP dense SwiGLU or MoE, as `config.layer_types[i]` / `config.mlp_types[i]` say.
 """
 
@@ -41,8 +43,8 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"mlp_types[{self.layer_index}]={mlp_kind!r}; expected 'dense' or 'moe'")
 
         h = RMSNorm(cfg, name="input_layernorm")(x)
-        x = x + mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids).astype(x.dtype)
+        mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids)
+        h, x = RMSNorm(cfg, name="post_attention_layernorm")(x, update=mixed)  # x += mixed, then its norm
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
-        h = RMSNorm(cfg, name="post_attention_layernorm")(x)
         x = x + mlp(h).astype(x.dtype)
         return nn.with_logical_constraint(x, ACTIVATION_AXES)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from MaxText.kernels.rms_norm import rms_norm
+from MaxText.kernels.rms_norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,14 +16,24 @@ class RMSNorm(nn.Module):
     The normalized value is cast to x's dtype before the multiply (HF semantics), so the output has x's dtype
     when `scale` (stored in `weight_dtype`) is cast to it. Param: `scale` [features], initialized to ones. Computed
     by `config.norm_kernel` (MaxText/kernels/rms_norm: a Pallas kernel for a batch-1 decode step's row on a GPU).
+
+    `__call__(x, update=None)`: with an `update` (the output of the block before the norm), the residual stream's add
+    comes first and the call returns (norm(x + update), x + update), the sum in x's dtype; with
+    `config.norm_adds_residual` the Pallas kernel does the add itself (one kernel instead of an add and a norm).
     """
     config: ml_collections.FrozenConfigDict
     epsilon: float | None = None  # None: config.normalization_layer_epsilon
     scale_axis: str | None = "embed"  # logical axis name of the scale vector
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        eps = self.config.normalization_layer_epsilon if self.epsilon is None else self.epsilon
+    def __call__(self, x: jax.Array, update: jax.Array | None = None):
+        cfg = self.config
+        eps = cfg.normalization_layer_epsilon if self.epsilon is None else self.epsilon
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.scale_axis,)),
-                           (x.shape[-1],), jnp.dtype(self.config.weight_dtype))
-        return rms_norm(x, scale, epsilon=eps, implementation=self.config.norm_kernel)
+                           (x.shape[-1],), jnp.dtype(cfg.weight_dtype))
+        if update is None:
+            return rms_norm(x, scale, epsilon=eps, implementation=cfg.norm_kernel)
+        if cfg.norm_adds_residual:
+            return add_rms_norm(x, update, scale, epsilon=eps, implementation=cfg.norm_kernel)
+        summed = x + update.astype(x.dtype)
+        return rms_norm(summed, scale, epsilon=eps, implementation=cfg.norm_kernel), summed

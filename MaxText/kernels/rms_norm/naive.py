@@ -12,3 +12,10 @@ def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
     return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def add_rms_norm(x: jax.Array, update: jax.Array, scale: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
+    """The residual stream's add, then its norm: summed = x + update (update cast to x's dtype; the sum in x's
+    dtype, as the decoder's `x = x + mixer(h)`), returns (rms_norm(summed, scale, epsilon), summed)."""
+    summed = x + update.astype(x.dtype)
+    return rms_norm(summed, scale, epsilon), summed

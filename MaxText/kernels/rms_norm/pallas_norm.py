@@ -4,6 +4,9 @@ scaling), each ~1 us of a dependent chain.
 
     rms_norm(x [M, D], scale [D], epsilon) -> [M, D] in x's dtype, as naive.rms_norm (the row padded to a power of
     two with masked loads; float32 sum of squares, HF's casts)
+    add_rms_norm(x [M, D], update [M, D], scale [D], epsilon) -> (normed, summed) as naive.add_rms_norm: the
+    residual stream's add (summed = x + update, rounded to x's dtype, also written out) in the norm's own kernel,
+    so that the add is no kernel of its own before the norm
 
 Differentiable: the backward pass is the oracle's (XLA). Runs under `interpret=True` on CPU (the tests do).
 """
@@ -31,43 +34,71 @@ def unsupported_reason(dtype, dim: int) -> str | None:
     return None
 
 
-def _kernel(x_ref, scale_ref, out_ref, *, dim, block, epsilon):
+def _kernel(*refs, dim, block, epsilon, adds_update):
+    """refs: x, [update], scale, out, [summed] (the bracketed ones with `adds_update`)."""
+    if adds_update:
+        x_ref, update_ref, scale_ref, out_ref, summed_ref = refs
+    else:
+        x_ref, scale_ref, out_ref = refs
     row = pl.program_id(0)
     inside = jnp.arange(block) < dim  # [BD] the row's values (block: dim padded to a power of two)
-    x = pltriton.load(x_ref.at[row, pl.ds(0, block)], mask=inside, other=0).astype(jnp.float32)
+    x = pltriton.load(x_ref.at[row, pl.ds(0, block)], mask=inside, other=0)
+    if adds_update:  # naive.add_rms_norm: the update cast to x's dtype, added in float32, the sum rounded to it
+        update = pltriton.load(update_ref.at[row, pl.ds(0, block)], mask=inside, other=0).astype(x.dtype)
+        x = (x.astype(jnp.float32) + update.astype(jnp.float32)).astype(x_ref.dtype)
+        pltriton.store(summed_ref.at[row, pl.ds(0, block)], x, mask=inside)
+    x = x.astype(jnp.float32)
     normed = (x * jax.lax.rsqrt(jnp.sum(x * x) / dim + epsilon)).astype(out_ref.dtype)
     scale = pltriton.load(scale_ref.at[pl.ds(0, block)], mask=inside, other=0).astype(out_ref.dtype)
     pltriton.store(out_ref.at[row, pl.ds(0, block)], scale * normed, mask=inside)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, interpret: bool = False) -> jax.Array:
-    """See the module docstring."""
+def _norm_call(x, update, scale, epsilon, interpret):
+    """The launch: `update` None for a plain norm (returns normed), else (normed, summed)."""
     if x.ndim != 2 or scale.shape != (x.shape[1],):
         raise ValueError(f"expected x [M, D] and scale [D], got {x.shape} and {scale.shape}")
+    if update is not None and update.shape != x.shape:
+        raise ValueError(f"expected update of x's shape {x.shape}, got {update.shape}")
     reason = unsupported_reason(x.dtype, x.shape[1])
     if reason:
         raise ValueError(reason)
     num_rows, dim = x.shape
     block = 1 << (dim - 1).bit_length()  # the row padded to a power of two
+    adds_update = update is not None
+    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     return pl.pallas_call(
-        functools.partial(_kernel, dim=dim, block=block, epsilon=epsilon),
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        functools.partial(_kernel, dim=dim, block=block, epsilon=epsilon, adds_update=adds_update),
+        out_shape=(out_shape, out_shape) if adds_update else out_shape,
         grid=(num_rows,),
         compiler_params=pltriton.CompilerParams(num_warps=4 if block <= 4096 else 8, num_stages=1),
         interpret=interpret,
-        name="rms_norm",
-    )(x, scale)
+        name="add_rms_norm" if adds_update else "rms_norm",
+    )(*((x, update, scale) if adds_update else (x, scale)))
 
 
-def _rms_norm_fwd(x, scale, epsilon, interpret):
-    return rms_norm(x, scale, epsilon, interpret), (x, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, interpret: bool = False) -> jax.Array:
+    """See the module docstring."""
+    return _norm_call(x, None, scale, epsilon, interpret)
 
 
-def _rms_norm_bwd(epsilon, interpret, residuals, cotangent):
-    del interpret
-    _, vjp = jax.vjp(functools.partial(naive.rms_norm, epsilon=epsilon), *residuals)
-    return vjp(cotangent)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def add_rms_norm(x: jax.Array, update: jax.Array, scale: jax.Array, epsilon: float,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """See the module docstring."""
+    return _norm_call(x, update, scale, epsilon, interpret)
 
 
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+def _backward_of(oracle):
+    """The custom VJP's backward pass: the oracle's, at the forward's arrays."""
+    def backward(epsilon, interpret, arrays, cotangent):
+        del interpret
+        _, vjp = jax.vjp(functools.partial(oracle, epsilon=epsilon), *arrays)
+        return vjp(cotangent)
+    return backward
+
+
+rms_norm.defvjp(lambda x, scale, epsilon, interpret: (rms_norm(x, scale, epsilon, interpret), (x, scale)),
+                _backward_of(naive.rms_norm))
+add_rms_norm.defvjp(lambda x, update, scale, epsilon, interpret: (
+    add_rms_norm(x, update, scale, epsilon, interpret), (x, update, scale)), _backward_of(naive.add_rms_norm))
