@@ -1,9 +1,8 @@
 """One Kimi-Linear decoder layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)).
 
-Each residual add is the following norm's (`RMSNorm(x, update=...)`, one Pallas kernel with `norm_adds_residual`):
-the mixer's output is added by the post-attention norm, and the MLP's (the MoE's as its terms: expert rows, router
-weights, shared expert) by the next layer's input norm or the model's final norm. So a layer takes and returns the
-residual stream with the previous MLP's output not yet added (vLLM's `residual` convention).
+The first residual add is the post-attention norm's (`RMSNorm(x, update=...)`: one kernel with `norm_adds_residual`).
+
+The mixer is KDA or MLA and the MLP dense SwiGLU or MoE, as `config.layer_types[i]` / `config.mlp_types[i]` say.
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ class DecoderLayer(nn.Module):
     layer_index: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, update=None, *, model_mode: str, decoder_segment_ids: jax.Array | None = None):
-        """x [B, T, D], update: the previous layer's MLP output not yet added to x (None for the first layer) ->
-        (x, update) of this layer: x with the previous update and this mixer's output added, the MLP's output."""
+    def __call__(self, x: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         mixer_kind, mlp_kind = cfg.layer_types[self.layer_index], cfg.mlp_types[self.layer_index]
         if mixer_kind == "kda":
@@ -45,13 +42,9 @@ class DecoderLayer(nn.Module):
         else:
             raise ValueError(f"mlp_types[{self.layer_index}]={mlp_kind!r}; expected 'dense' or 'moe'")
 
-        input_norm = RMSNorm(cfg, name="input_layernorm")
-        if update is None:
-            h = input_norm(x)
-        else:
-            h, x = input_norm(x, update=update)  # x += the previous MLP's output, then its norm
-            x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+        h = RMSNorm(cfg, name="input_layernorm")(x)
         mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids)
         h, x = RMSNorm(cfg, name="post_attention_layernorm")(x, update=mixed)  # x += mixed, then its norm
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
-        return x, (mlp(h, summed=False) if mlp_kind == "moe" else mlp(h))
+        x = x + mlp(h).astype(x.dtype)
+        return nn.with_logical_constraint(x, ACTIVATION_AXES)

@@ -22,11 +22,10 @@ class KimiLinearModel(nn.Module):
     def __call__(self, tokens: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None):
         cfg = self.config
         x = nn.with_logical_constraint(Embed(cfg, name="embed_tokens")(tokens), ACTIVATION_AXES)  # [B, T, D]
-        update = None  # the last layer's MLP output, added to x by the next norm
         for i in range(cfg.num_decoder_layers):
-            x, update = DecoderLayer(cfg, i, name=f"layers_{i}")(x, update, model_mode=model_mode,
-                                                                  decoder_segment_ids=decoder_segment_ids)
-        return RMSNorm(cfg, name="norm")(x, update=update)[0]
+            x = DecoderLayer(cfg, i, name=f"layers_{i}")(x, model_mode=model_mode,
+                                                          decoder_segment_ids=decoder_segment_ids)
+        return RMSNorm(cfg, name="norm")(x)
 
 
 class KimiLinearForCausalLM(nn.Module):

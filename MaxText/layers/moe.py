@@ -29,7 +29,6 @@ import ml_collections
 
 from MaxText.kernels.grouped_matmul import extra_groups_supported, grouped_matmul, rows_must_be_sorted
 from MaxText.kernels.moe_router import route_tokens
-from MaxText.kernels.rms_norm.naive import combine_terms
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
 
 # `moe_rows_product` -> the Pallas rows grid's `rows_mma` (None: the kernel's default by dtype).
@@ -59,13 +58,10 @@ class RoutedExperts(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, shared_kernels=None, *,
-                 summed: bool = True):
+    def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, shared_kernels=None) -> jax.Array:
         """x: [N, D]; weights, expert_ids: [N, k] -> sum_k weights * expert(x), [N, D] in config.dtype.
         shared_kernels: a shared expert's (gate [D, I], up [D, I], down [I, D]), added to the sum as one more row per
-        token (weight 1) in the same launches: only where `shared_rows_fit`.
-        summed=False: the sum's terms instead, ((rows [N, k, D] in config.dtype, weights [N, k] float32),) and the
-        shared-expert rows ([N, D], None) if any, for `rms_norm.combine_terms` (the next norm's kernel adds them)."""
+        token (weight 1) in the same launches: only where `shared_rows_fit`."""
         cfg = self.config
         num_experts, dim, inner = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
         dtype, precision = jnp.dtype(cfg.dtype), matmul_precision(cfg)
@@ -114,11 +110,12 @@ class RoutedExperts(nn.Module):
         if sort:
             out = jnp.zeros_like(out).at[order].set(out)  # back to token order
 
-        # Each token's k expert rows, to be weighted and summed (then its shared-expert row added).
-        terms = ((out[:num_tokens * top_k].reshape(num_tokens, top_k, dim), weights.astype(jnp.float32)),)  # [N, k, D]
+        # Weight and sum over each token's k experts (and its shared-expert row).
+        routed = out[:num_tokens * top_k].reshape(num_tokens, top_k, dim)  # [N, k, D]
+        total = jnp.einsum("nkd,nk->nd", routed.astype(jnp.float32), weights, precision=jax.lax.Precision.HIGHEST)
         if shared_kernels is not None:
-            terms += ((out[num_tokens * top_k:], None),)  # [N, D]
-        return combine_terms(terms, dtype) if summed else terms
+            total = total + out[num_tokens * top_k:].astype(jnp.float32)
+        return total.astype(dtype)
 
 
 def shared_rows_fit(config: ml_collections.FrozenConfigDict, num_tokens: int) -> bool:
@@ -138,9 +135,7 @@ class MoE(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, summed: bool = True):
-        """summed=False: the output as terms for `rms_norm.combine_terms` (rows [B, T, k, D] with weights [B, T, k],
-        then the shared expert's [B, T, D]), so that the next norm's kernel adds them to the residual stream."""
+    def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         batch, seq_len, dim = x.shape
         tokens = x.reshape(batch * seq_len, dim)  # [N, D]
@@ -148,11 +143,8 @@ class MoE(nn.Module):
         shared = MLP(cfg, cfg.moe_mlp_dim * cfg.shared_experts, name="shared_experts") if cfg.shared_experts else None
         experts = RoutedExperts(cfg, name="experts")
         if shared is not None and shared_rows_fit(cfg, batch * seq_len):
-            terms = experts(tokens, weights, expert_ids, shared.kernels(), summed=False)
-        else:
-            terms = experts(tokens, weights, expert_ids, summed=False)
-            if shared is not None:
-                terms += ((shared(x).reshape(batch * seq_len, dim), None),)
-        terms = tuple((rows.reshape(batch, seq_len, *rows.shape[1:]),
-                       None if weights is None else weights.reshape(batch, seq_len, -1)) for rows, weights in terms)
-        return combine_terms(terms, jnp.dtype(cfg.dtype)) if summed else terms
+            return experts(tokens, weights, expert_ids, shared.kernels()).reshape(batch, seq_len, dim)
+        out = experts(tokens, weights, expert_ids).reshape(batch, seq_len, dim)
+        if shared is not None:
+            out = out + shared(x)
+        return out

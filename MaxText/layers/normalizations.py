@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels.rms_norm import add_rms_norm, rms_norm
-from MaxText.kernels.rms_norm.naive import combine_terms
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +17,9 @@ class RMSNorm(nn.Module):
     when `scale` (stored in `weight_dtype`) is cast to it. Param: `scale` [features], initialized to ones. Computed
     by `config.norm_kernel` (MaxText/kernels/rms_norm: a Pallas kernel for a batch-1 decode step's row on a GPU).
 
-    `__call__(x, update=None)`: with an `update` (the output of the block before the norm: an array, or terms that
-    `rms_norm.combine_terms` sums, e.g. the MoE's expert rows and router weights), the residual stream's add comes
-    first and the call returns (norm(x + update), x + update), the sum in x's dtype; with `config.norm_adds_residual`
-    the Pallas kernel does the add (and the terms' weighted sum) itself: one kernel instead of XLA's and the norm.
+    `__call__(x, update=None)`: with an `update` (the output of the block before the norm), the residual stream's add
+    comes first and the call returns (norm(x + update), x + update), the sum in x's dtype; with
+    `config.norm_adds_residual` the Pallas kernel does the add itself (one kernel instead of an add and a norm).
     """
     config: ml_collections.FrozenConfigDict
     epsilon: float | None = None  # None: config.normalization_layer_epsilon
@@ -37,5 +35,5 @@ class RMSNorm(nn.Module):
             return rms_norm(x, scale, epsilon=eps, implementation=cfg.norm_kernel)
         if cfg.norm_adds_residual:
             return add_rms_norm(x, update, scale, epsilon=eps, implementation=cfg.norm_kernel)
-        summed = x + combine_terms(update, x.dtype)
+        summed = x + update.astype(x.dtype)
         return rms_norm(summed, scale, epsilon=eps, implementation=cfg.norm_kernel), summed

@@ -4,9 +4,7 @@ and MLA's kv_a_layernorm.
     y = rms_norm(x, scale, epsilon=1e-6, implementation="auto")
     x [..., D], scale [D]  ->  y [..., D] in x's dtype: normalized in float32, cast to x's dtype, times scale
     y, summed = add_rms_norm(x, update, scale, epsilon=1e-6, implementation="auto")
-    the residual stream's add first: summed = x + update in x's dtype, y = its norm; update: [..., D] (cast to x's
-    dtype), or terms (rows, weights) that naive.combine_terms sums (rows [..., D] with weights None, or weighted rows
-    [..., R, D] with weights [..., R]: the MoE's experts, summed in float32)
+    the residual stream's add first: summed = x + update in x's dtype (update [..., D] cast to it), y = its norm
 
 Implementations:
   xla     naive.rms_norm, the oracle: plain JAX, any backend (on a GPU XLA makes a decode step's norm two kernels:
@@ -58,23 +56,15 @@ def rms_norm(x: jax.Array, scale: jax.Array, *, epsilon: float, implementation: 
     return naive.rms_norm(x, scale, epsilon)
 
 
-def add_rms_norm(x: jax.Array, update, scale: jax.Array, *, epsilon: float,
+def add_rms_norm(x: jax.Array, update: jax.Array, scale: jax.Array, *, epsilon: float,
                  implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
     """See the module docstring."""
-    terms = naive.as_terms(update)
-    lead = x.shape[:-1]
-    for rows, weights in terms:
-        want = x.shape if weights is None else (*lead, weights.shape[-1], x.shape[-1])
-        if rows.shape != want or (weights is not None and weights.shape != want[:-1]):
-            raise ValueError(f"add_rms_norm: update rows have shape {rows.shape}"
-                             + ("" if weights is None else f" and weights {weights.shape}")
-                             + f"; expected {want}" + ("" if weights is None else f" and {want[:-1]}")
-                             + f" for x {x.shape}")
-    rows = math.prod(lead)
+    if update.shape != x.shape:
+        raise ValueError(f"add_rms_norm: update has shape {update.shape}, expected x's {x.shape}")
+    rows = math.prod(x.shape[:-1])
     if resolve(implementation, x.dtype, x.shape[-1], rows) == "pallas":
         from MaxText.kernels.rms_norm import pallas_norm  # pylint: disable=import-outside-toplevel
-        flat = tuple((r.reshape(rows, *r.shape[len(lead):]), None if w is None else w.reshape(rows, -1))
-                     for r, w in terms)  # [M, D] or [M, R, D] with [M, R]
-        normed, summed = pallas_norm.add_rms_norm(x.reshape(rows, x.shape[-1]), flat, scale, epsilon)
+        normed, summed = pallas_norm.add_rms_norm(x.reshape(rows, x.shape[-1]), update.reshape(rows, x.shape[-1]),
+                                                  scale, epsilon)
         return normed.reshape(x.shape), summed.reshape(x.shape)
-    return naive.add_rms_norm(x, terms, scale, epsilon)
+    return naive.add_rms_norm(x, update, scale, epsilon)

@@ -14,29 +14,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def as_terms(update) -> tuple:
-    """An update as a tuple of terms (rows, weights): an array [..., D] is one term (update, None)."""
-    return ((update, None),) if isinstance(update, jax.Array) else tuple(update)
-
-
-def combine_terms(update, dtype) -> jax.Array:
-    """The residual update [..., D] in `dtype` that `update` stands for: an array, or terms (rows, weights), each
-    rows [..., D] (weights None) or weighted rows [..., R, D] with weights [..., R] summed in float32 (the MoE's
-    experts). Each term is rounded to `dtype`, then the terms are added in order in `dtype` (the MoE's routed sum,
-    then its shared expert)."""
-    total = None
-    for rows, weights in as_terms(update):
-        if weights is None:
-            term = rows.astype(dtype)
-        else:
-            term = jnp.einsum("...rd,...r->...d", rows.astype(jnp.float32), weights.astype(jnp.float32),
-                              precision=jax.lax.Precision.HIGHEST).astype(dtype)
-        total = term if total is None else total + term
-    return total
-
-
-def add_rms_norm(x: jax.Array, update, scale: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
-    """The residual stream's add, then its norm: summed = x + combine_terms(update) in x's dtype (as the decoder's
-    `x = x + block(h)`), returns (rms_norm(summed, scale, epsilon), summed). update: an array [..., D] or terms."""
-    summed = x + combine_terms(update, x.dtype)
+def add_rms_norm(x: jax.Array, update: jax.Array, scale: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
+    """The residual stream's add, then its norm: summed = x + update (update cast to x's dtype; the sum in x's
+    dtype, as the decoder's `x = x + mixer(h)`), returns (rms_norm(summed, scale, epsilon), summed)."""
+    summed = x + update.astype(x.dtype)
     return rms_norm(summed, scale, epsilon), summed
