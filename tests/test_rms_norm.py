@@ -11,6 +11,7 @@ import pytest
 from MaxText import pyconfig
 from MaxText.kernels import grouped_matmul, rms_norm as norms
 from MaxText.kernels.rms_norm import naive, pallas_norm
+from MaxText.layers.models import KimiLinearForCausalLM
 from MaxText.layers.normalizations import RMSNorm
 
 
@@ -144,3 +145,38 @@ def test_rms_norm_layer_adds_the_update(monkeypatch, adds_residual):
     np.testing.assert_array_equal(np.asarray(summed, np.float32), np.asarray(want_summed, np.float32))
     np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32), rtol=8e-3,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("adds_residual", [True, False])
+def test_decoder_post_attention_norm_adds_the_mixer_output(monkeypatch, adds_residual):
+    """The tiny model decoding one row with the norms' Pallas kernels (interpreted, as on one GPU): with
+    norm_adds_residual each layer's post-attention norm adds the mixer's output in its kernel (add_rms_norm), and the
+    logits are the XLA norms' (rounding aside) with the same greedy tokens."""
+    config = pyconfig.load_config("configs/kimi_linear_tiny.yml", {"dtype": "bfloat16", "norm_kernel": "xla"})
+    model = KimiLinearForCausalLM(config)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, config.vocab_size)
+    params = {"params": model.init(jax.random.PRNGKey(0), tokens, model_mode="train")["params"]}
+    _, variables = model.apply(params, tokens, model_mode="prefill", mutable=["cache"])
+
+    def decode(model, steps=3):
+        cache, token, logits = variables["cache"], tokens[:, -1:], []
+        for _ in range(steps):
+            step, updated = model.apply({**params, "cache": cache}, token, model_mode="autoregressive",
+                                        mutable=["cache"])
+            cache, token = updated["cache"], jnp.argmax(step, -1).astype(jnp.int32)
+            logits.append(step)
+        return jnp.concatenate(logits, axis=1)
+
+    want = decode(model)
+    calls, plain, added = [], pallas_norm.rms_norm, pallas_norm.add_rms_norm
+    monkeypatch.setattr(norms, "resolve", lambda implementation, dtype, dim, rows: "pallas")
+    monkeypatch.setattr(pallas_norm, "rms_norm", lambda x, s, e: calls.append("rms_norm") or plain(x, s, e, True))
+    monkeypatch.setattr(pallas_norm, "add_rms_norm",
+                        lambda x, u, s, e: calls.append("add_rms_norm") or added(x, u, s, e, True))
+    got = decode(KimiLinearForCausalLM(pyconfig.load_config(
+        "configs/kimi_linear_tiny.yml", {"dtype": "bfloat16", "norm_adds_residual": adds_residual})))
+    layers = config.num_decoder_layers  # per step: input + post-attention norms, the final norm, MLA's kv_a norm
+    assert calls.count("add_rms_norm") == (3 * layers if adds_residual else 0)
+    assert calls.count("rms_norm") == 3 * (layers + 2 if adds_residual else 2 * layers + 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0.05, atol=0.05)
+    np.testing.assert_array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(want), -1))

@@ -9,8 +9,9 @@ and MLA's kv_a_layernorm.
 Implementations:
   xla     naive.rms_norm, the oracle: plain JAX, any backend (on a GPU XLA makes a decode step's norm two kernels:
           the reduction, then the scaling).
-  pallas  pallas_norm.py: one Triton kernel, one program per row (add_rms_norm: the add in the same kernel). NVIDIA GPU, no multi-device mesh, bf16 / f32
-          rows of at most 16384 values. Differentiable (the oracle's backward).
+  pallas  pallas_norm.py: one Triton kernel, one program per row (add_rms_norm: the add in the same kernel).
+          NVIDIA GPU, no multi-device mesh, bf16 / f32 rows of at most 16384 values. Differentiable (the oracle's
+          backward).
   auto    pallas for at most PALLAS_MAX_ROWS rows (a batch-1 decode step) where it runs (else one log line), xla
           for more rows and on other backends; the default.
 """
