@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels.rms_norm import add_rms_norm, rms_norm
+from MaxText.kernels.rms_norm.naive import residual_add
 
 
 class RMSNorm(nn.Module):
@@ -35,5 +36,5 @@ class RMSNorm(nn.Module):
             return rms_norm(x, scale, epsilon=eps, implementation=cfg.norm_kernel)
         if cfg.norm_adds_residual:
             return add_rms_norm(x, update, scale, epsilon=eps, implementation=cfg.norm_kernel)
-        summed = x + update.astype(x.dtype)
+        summed = residual_add(x, update)  # XLA's add, then the norm's own kernel
         return rms_norm(summed, scale, epsilon=eps, implementation=cfg.norm_kernel), summed

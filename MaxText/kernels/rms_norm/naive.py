@@ -14,8 +14,14 @@ def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
+def residual_add(x: jax.Array, update: jax.Array) -> jax.Array:
+    """The residual stream's add: x + update, update cast to x's dtype and the sum in x's dtype (the decoder's
+    `x = x + mixer(h)`)."""
+    return x + update.astype(x.dtype)
+
+
 def add_rms_norm(x: jax.Array, update: jax.Array, scale: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
-    """The residual stream's add, then its norm: summed = x + update (update cast to x's dtype; the sum in x's
-    dtype, as the decoder's `x = x + mixer(h)`), returns (rms_norm(summed, scale, epsilon), summed)."""
-    summed = x + update.astype(x.dtype)
+    """The residual stream's add, then its norm: returns (rms_norm(summed, scale, epsilon), summed) for
+    summed = residual_add(x, update)."""
+    summed = residual_add(x, update)
     return rms_norm(summed, scale, epsilon), summed
