@@ -238,16 +238,21 @@ def _read_config_file(path: str) -> dict[str, Any]:
         return yaml.safe_load(f) or {}
 
 
+def _with_keys_before(written: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.yml's keys with ARCHITECTURE_KEYS_BEFORE's value for an architecture key it predates."""
+    return {**ARCHITECTURE_KEYS_BEFORE, **written}
+
+
 def read_checkpoint_config(path: str) -> dict[str, Any]:
     """The keys of `path/config.yml`, with ARCHITECTURE_KEYS_BEFORE's value for an architecture key it predates."""
-    return {**ARCHITECTURE_KEYS_BEFORE, **_read_config_file(path)}
+    return _with_keys_before(_read_config_file(path))
 
 
 def check_config_matches(path: str, config: Mapping[str, Any]) -> None:
     """Raises CheckpointError naming every architecture key where `config` differs from the checkpoint's (for a key
     the checkpoint's config.yml predates, with the override that loads it)."""
     written = _read_config_file(path)
-    stored = {**ARCHITECTURE_KEYS_BEFORE, **written}
+    stored = _with_keys_before(written)
     diffs = []
     for key in ARCHITECTURE_KEYS:
         if key not in stored:
