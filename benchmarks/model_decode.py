@@ -51,6 +51,13 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            runs no CUDA graphs under the profiler unless XLA_FLAGS has
            --xla_enable_command_buffers_during_profiling=true), each op's share of it (`shared_time`), and the
            host's time per step in the step's call and in its CUDA graph launches (`host_event_times`).
+  engine   per batch B, what a user of the Engine gets: `Engine.generate` (its prefill, then ONE program whose
+           while_loop runs every decode step on the device: no host dispatch per step) on the same params, B
+           prompts of --engine-prompt-len tokens (the Engine prefills a prompt in one program: a short one),
+           --engine-tokens new tokens (greedy, no EOS: every step runs); one untimed call compiles, then --repeats
+           timed calls. Per step = the decode loop's wall time / (--engine-tokens - 1) (the first token comes
+           from the prefill's logits); the roofline at the loop's mean context, with the decode stage's measured
+           distinct experts for B where it ran (else uniform routing's expectation).
 
 Roofline (per decode setting) = decode_bytes_per_step(config, B, context, distinct experts) / copy bandwidth (per
 device: a mesh of N devices is assumed to split the bytes N ways). Prints a table and writes model_decode.json to
@@ -100,10 +107,10 @@ from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E40
 from MaxText.kernels import grouped_matmul  # noqa: E402
 from MaxText.layers.moe import Router  # noqa: E402
 
-STAGES = ("copy", "init", "prefill", "decode", "profile")
+STAGES = ("copy", "init", "prefill", "decode", "profile", "engine")
 DECODE_MODULE = "jit_decode_step"  # the XLA module name of the jitted `decode_step`
 SMOKE = dict(config="configs/kimi_linear_tiny.yml", prompt_len=64, prefill_chunk=32, prefill_repeats=1, batches=[1, 2],
-             steps=4, repeats=1, warmup=2, synced_steps=2, profile_steps=2)
+             steps=4, repeats=1, warmup=2, synced_steps=2, profile_steps=2, engine_prompt_len=16, engine_tokens=8)
 
 
 # ------------------------------------------------------------------------------------------------ bytes per step
@@ -438,8 +445,8 @@ def decode_steps_per_setting(args) -> int:
 def load_benchmark_config(args, **extra) -> ml_collections.FrozenConfigDict:
     """The model config: bf16 params and activations, a cache long enough for the run, `--layers`, the command
     line's key=value overrides, then `extra` (the MoE dispatch of a stage)."""
-    overrides = ["dtype=bfloat16", "weight_dtype=bfloat16",
-                 f"max_target_length={args.prompt_len + decode_steps_per_setting(args) + 1}"]
+    length = max(args.prompt_len + decode_steps_per_setting(args) + 1, args.engine_prompt_len + args.engine_tokens)
+    overrides = ["dtype=bfloat16", "weight_dtype=bfloat16", f"max_target_length={length}"]
     if args.layers:
         full = pyconfig.load_config(args.config)
         if args.layers > full.num_decoder_layers:
@@ -872,6 +879,43 @@ def profile_decode(step, params, cache, tokens, counts, args, config, step_secon
             shutil.rmtree(trace_dir, ignore_errors=True)
 
 
+def run_engine(setup: Setup, args, batch: int, copy_bw: float | None, decode_rows: Sequence[dict]) -> dict:
+    """The Engine's generate at `batch` rows (the `engine` stage): its decode loop's time per step."""
+    from MaxText.inference.engine import Engine  # pylint: disable=import-outside-toplevel
+
+    config, new_tokens = setup.config, args.engine_tokens
+    engine = Engine(config, setup.params, setup.mesh)
+    prompts = [[1 + (7 * row + 3 * i) % (config.vocab_size - 1) for i in range(args.engine_prompt_len)]
+               for row in range(batch)]
+    start = time.perf_counter()
+    engine.generate(prompts, new_tokens)
+    compile_s = time.perf_counter() - start
+    per_step, prefill_s = [], []
+    for _ in range(args.repeats):
+        tokens = engine.generate(prompts, new_tokens)
+        stats = engine.last_stats
+        per_step.append(stats.decode_seconds / (new_tokens - 1))
+        prefill_s.append(stats.prefill_seconds)
+    ms = statistics.median(per_step) * 1e3
+    measured = [r for r in decode_rows if r["batch"] == batch and r["distinct_experts_mean"]]
+    distinct = measured[0]["distinct_experts_mean"] if measured else \
+        expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
+    context = args.engine_prompt_len + new_tokens // 2
+    row = {"batch": batch, "prompt_len": args.engine_prompt_len, "new_tokens": new_tokens, "ms_per_step": ms,
+           "runs_ms_per_step": [t * 1e3 for t in per_step], "tokens_per_s": batch / (ms / 1e3),
+           "prefill_ms": statistics.median(prefill_s) * 1e3, "first_call_s": compile_s,
+           "distinct_experts": distinct, "distinct_experts_from": "decode stage" if measured else "uniform",
+           "tokens_crc32": zlib.crc32(np.asarray(tokens, np.int32).tobytes()),
+           "bytes": decode_bytes_per_step(config, batch, context, distinct)}
+    if copy_bw:
+        row["roofline_ms"] = row["bytes"]["total"] / (copy_bw * setup.mesh.size) * 1e3
+        row["over_roofline"] = ms / row["roofline_ms"]
+    ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['over_roofline']:.2f})" if copy_bw else ""
+    log(f"engine B={batch}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} tokens/s){ratio}; prefill "
+        f"{row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
+    return row
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -970,6 +1014,16 @@ def report(results: dict) -> str:
                          "|---|---|---|---|---|---|")
             lines += [f"| {o['op']} | {o['component']} | {(o['kernel'] or '')[:60]} | {o['ms']:.3f} | "
                       f"{o['pct_of_step']:.1f} | {o['launches_per_step']:.1f} |" for o in prof["top_ops"]]
+    if results.get("engine"):
+        lines.append("\n### Engine.generate (one while_loop program for all decode steps)\n")
+        lines.append("| batch | prompt | new tokens | ms / step | tokens/s | roofline ms | ms / step / roofline | "
+                     "distinct experts / layer (from) | prefill ms | first call s |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in results["engine"]:
+            roof = f"{r['roofline_ms']:.3f} | {r['over_roofline']:.2f}" if "roofline_ms" in r else "- | -"
+            lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['ms_per_step']:.3f} | "
+                         f"{r['tokens_per_s']:.1f} | {roof} | {r['distinct_experts']:.1f} "
+                         f"({r['distinct_experts_from']}) | {r['prefill_ms']:.1f} | {r['first_call_s']:.1f} |")
     for stage, error in results["errors"].items():
         lines.append(f"\n**stage {stage} failed**: {error}")
     return "\n".join(lines)
@@ -1007,6 +1061,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=3, help="decode steps traced by the profiler")
     parser.add_argument("--top", type=int, default=20, help="ops listed per profile")
     parser.add_argument("--trace-dir", default="", help="keep the profiler traces here (default: a deleted temp dir)")
+    parser.add_argument("--engine-prompt-len", type=int, default=64, help="prompt tokens of the engine stage")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="new tokens per Engine.generate call")
     args = parser.parse_intermixed_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():  # the smoke sizes, where the command line kept the default
@@ -1019,6 +1075,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--stages {','.join(unknown)} unknown; choose from {','.join(STAGES)}")
     if "profile" in args.stages and "decode" not in args.stages:
         parser.error("the profile stage traces the decode settings: add 'decode' to --stages")
+    if "engine" in args.stages and (args.engine_tokens < 2 or args.engine_prompt_len < 1):
+        parser.error(f"the engine stage needs --engine-tokens >= 2 (one decode step) and --engine-prompt-len >= 1, "
+                     f"got {args.engine_tokens} and {args.engine_prompt_len}")
     for variant in args.decode_variants:
         try:
             variant_overrides(variant)
@@ -1032,7 +1091,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     results: dict[str, Any] = {"env": environment(argv), "args": vars(args), "stages": {}, "errors": {},
-                               "decode": []}
+                               "decode": [], "engine": []}
     log(json.dumps(results["env"]))
     state: dict[str, Any] = {"setup": None, "prefilled": None}
 
@@ -1075,15 +1134,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     log(f"{setting} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 write_json(args.out, results)
 
+    def engine():
+        copy_bw = results.get("copy_bandwidth", {}).get("used_Bps")
+        for batch in args.batches:
+            results["engine"].append(run_engine(state["setup"], args, batch, copy_bw, results["decode"]))
+            write_json(args.out, results)
+
     if "copy" in args.stages:
         stage("copy", copy)
-    if set(args.stages) & {"init", "prefill", "decode"}:
+    if set(args.stages) & {"init", "prefill", "decode", "engine"}:
         stage("init", init)
     if state["setup"] is not None:
         if "prefill" in args.stages:
             stage("prefill", prefill)
         if "decode" in args.stages:
             stage("decode", decode)
+        if "engine" in args.stages:
+            stage("engine", engine)
     kda_kernels.log("\n" + report(results))
     log(f"wrote {write_json(args.out, results)}")
     return results

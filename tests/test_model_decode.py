@@ -3,6 +3,7 @@ script end to end on the tiny config (CPU)."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -117,7 +118,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     results = json.loads((tmp_path / "model_decode.json").read_text())
     assert results["errors"] == {}
     assert results["env"]["xla_flags"] == xla_flags  # the JSON records the run's XLA flags
-    assert set(results["stages"]) == {"copy", "init", "prefill", "decode"}
+    assert set(results["stages"]) == {"copy", "init", "prefill", "decode", "engine"}
     assert results["params"]["count"] > 0 and results["copy_bandwidth"]["used_Bps"] > 0
     assert results["prefill"]["prompt_len"] == 64 and results["prefill"]["chunk"] == 32
     assert results["prefill"]["tokens_per_s"] > 0
@@ -164,10 +165,31 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     # per batch, each setting vs its first
     assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (- / same) |") == 2
+    # The engine stage: Engine.generate's decode loop per batch, 8 new tokens (7 steps) after 16-token prompts, its
+    # roofline at the loop's mean context with the decode stage's expert counts of that batch (its first setting).
+    config = model_decode.load_benchmark_config(model_decode.parse_args(["--smoke"]))
+    assert [(r["batch"], r["prompt_len"], r["new_tokens"]) for r in results["engine"]] == [(1, 16, 8), (2, 16, 8)]
+    for row in results["engine"]:
+        decode_row = next(r for r in results["decode"] if r["batch"] == row["batch"])
+        assert row["distinct_experts_from"] == "decode stage"
+        assert row["distinct_experts"] == decode_row["distinct_experts_mean"]
+        assert row["bytes"] == pytest.approx(
+            model_decode.decode_bytes_per_step(config, row["batch"], 16 + 4, row["distinct_experts"]))
+        assert row["ms_per_step"] == pytest.approx(statistics.median(row["runs_ms_per_step"]))
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_step"] * 1e3)
+        assert row["over_roofline"] == pytest.approx(row["ms_per_step"] / row["roofline_ms"])
+        assert row["prefill_ms"] > 0 and isinstance(row["tokens_crc32"], int)
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |",
+                       "### Engine.generate (one while_loop program for all decode steps)",
                        "| ops | launches / step | µs / launch |", "### Profile, batch 2, moe auto (gather)",
                        f"| 2 | auto (gather), {VARIANT} |"):
         assert table_text in proc.stdout
+
+
+def test_engine_stage_needs_a_decode_step():
+    with pytest.raises(SystemExit):
+        model_decode.parse_args(["--smoke", "--engine-tokens", "1"])
+    assert model_decode.parse_args(["--smoke", "--stages", "init,decode", "--engine-tokens", "1"]).engine_tokens == 1
 
 
 def test_decode_variants_parse_into_config_overrides():
