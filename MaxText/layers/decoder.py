@@ -1,6 +1,7 @@
 """One Kimi-Linear decoder layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)).
 
-The first residual add is the post-attention norm's (`RMSNorm(x, update=...)`: one kernel with `norm_adds_residual`).
+The first residual add is the post-attention norm's (`RMSNorm(x, update=...)`: one kernel with `norm_adds_residual`);
+both adds round as `residual_add` defines.
 
 The mixer is KDA or MLA and the MLP dense SwiGLU or MoE, as `config.layer_types[i]` / `config.mlp_types[i]` say.
 """
@@ -11,6 +12,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
+from MaxText.kernels.rms_norm.naive import residual_add
 from MaxText.layers.kda import KimiDeltaAttention
 from MaxText.layers.linears import MLP
 from MaxText.layers.mla import MultiHeadLatentAttention
@@ -46,5 +48,5 @@ class DecoderLayer(nn.Module):
         mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids)
         h, x = RMSNorm(cfg, name="post_attention_layernorm")(x, update=mixed)  # x += mixed, then its norm
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
-        x = x + mlp(h).astype(x.dtype)
+        x = residual_add(x, mlp(h))
         return nn.with_logical_constraint(x, ACTIVATION_AXES)
