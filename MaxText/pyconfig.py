@@ -58,7 +58,7 @@ POSITIVE_INT_KEYS = (
     "kda_chunk_size", "num_query_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_dim",
     "num_experts", "num_experts_per_tok", "moe_mlp_dim", "n_routing_groups", "topk_routing_group",
     "max_target_length", "steps", "per_device_batch_size", "eval_batches", "checkpoint_period",
-    "max_checkpoints_to_keep",
+    "max_checkpoints_to_keep", "decode_loop_unroll",
 )
 NON_NEGATIVE_INT_KEYS = ("q_lora_rank", "qk_rope_head_dim", "first_num_dense_layers", "shared_experts",
                          "max_new_tokens", "seed", "warmup_steps", "eval_interval")

@@ -57,7 +57,9 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            --engine-tokens new tokens (greedy, no EOS: every step runs); one untimed call compiles, then --repeats
            timed calls. Per step = the decode loop's wall time / (--engine-tokens - 1) (the first token comes
            from the prefill's logits); the roofline at the loop's mean context, with the decode stage's measured
-           distinct experts for B where it ran (else uniform routing's expectation).
+           distinct experts for B where it ran (else uniform routing's expectation). --engine-variants: config
+           overrides per Engine (e.g. 'decode_loop_graphs=false'), each an Engine on the same params, one after
+           the other in this process.
 
 Roofline (per decode setting) = decode_bytes_per_step(config, B, context, distinct experts) / copy bandwidth (per
 device: a mesh of N devices is assumed to split the bytes N ways). Prints a table and writes model_decode.json to
@@ -879,9 +881,9 @@ def profile_decode(step, params, cache, tokens, counts, args, config, step_secon
             shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def run_engine(engine, args, batch: int, copy_bw: float | None, decode_rows: Sequence[dict]) -> dict:
-    """`engine.generate` (an Engine on the setup's params) at `batch` rows (the `engine` stage): its decode loop's time
-    per step."""
+def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, decode_rows: Sequence[dict]) -> dict:
+    """`engine.generate` (an Engine on the setup's params, its config with the overrides of `variant`) at `batch` rows
+    (the `engine` stage): its decode loop's time per step."""
     config, new_tokens = engine.config, args.engine_tokens
     prompts = [[1 + (7 * row + 3 * i) % (config.vocab_size - 1) for i in range(args.engine_prompt_len)]
                for row in range(batch)]
@@ -899,7 +901,8 @@ def run_engine(engine, args, batch: int, copy_bw: float | None, decode_rows: Seq
     distinct = measured[0]["distinct_experts_mean"] if measured else \
         expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
     context = args.engine_prompt_len + new_tokens // 2
-    row = {"batch": batch, "prompt_len": args.engine_prompt_len, "new_tokens": new_tokens, "ms_per_step": ms,
+    row = {"batch": batch, "variant": variant, "prompt_len": args.engine_prompt_len, "new_tokens": new_tokens,
+           "ms_per_step": ms,
            "runs_ms_per_step": [t * 1e3 for t in per_step], "tokens_per_s": batch / (ms / 1e3),
            "prefill_ms": statistics.median(prefill_s) * 1e3, "first_call_s": compile_s,
            "distinct_experts": distinct, "distinct_experts_from": "decode stage" if measured else "uniform",
@@ -909,8 +912,8 @@ def run_engine(engine, args, batch: int, copy_bw: float | None, decode_rows: Seq
         row["roofline_ms"] = row["bytes"]["total"] / (copy_bw * engine.mesh.size) * 1e3
         row["over_roofline"] = ms / row["roofline_ms"]
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['over_roofline']:.2f})" if copy_bw else ""
-    log(f"engine B={batch}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} tokens/s){ratio}; prefill "
-        f"{row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
+    log(f"engine {decode_setting(batch, 'auto', variant)}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} "
+        f"tokens/s){ratio}; prefill {row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
     return row
 
 
@@ -1014,14 +1017,16 @@ def report(results: dict) -> str:
                       f"{o['pct_of_step']:.1f} | {o['launches_per_step']:.1f} |" for o in prof["top_ops"]]
     if results.get("engine"):
         lines.append("\n### Engine.generate (one while_loop program for all decode steps)\n")
-        lines.append("| batch | prompt | new tokens | ms / step | tokens/s | roofline ms | ms / step / roofline | "
-                     "distinct experts / layer (from) | prefill ms | first call s |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| batch | variant | prompt | new tokens | ms / step | tokens/s | roofline ms | ms / step / "
+                     "roofline | distinct experts / layer (from) | prefill ms | first call s | tokens crc32 |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["engine"]:
             roof = f"{r['roofline_ms']:.3f} | {r['over_roofline']:.2f}" if "roofline_ms" in r else "- | -"
-            lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['ms_per_step']:.3f} | "
+            lines.append(f"| {r['batch']} | {r['variant'] or 'defaults'} | {r['prompt_len']} | {r['new_tokens']} | "
+                         f"{r['ms_per_step']:.3f} | "
                          f"{r['tokens_per_s']:.1f} | {roof} | {r['distinct_experts']:.1f} "
-                         f"({r['distinct_experts_from']}) | {r['prefill_ms']:.1f} | {r['first_call_s']:.1f} |")
+                         f"({r['distinct_experts_from']}) | {r['prefill_ms']:.1f} | {r['first_call_s']:.1f} | "
+                         f"{r['tokens_crc32']} |")
     for stage, error in results["errors"].items():
         lines.append(f"\n**stage {stage} failed**: {error}")
     return "\n".join(lines)
@@ -1061,6 +1066,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace-dir", default="", help="keep the profiler traces here (default: a deleted temp dir)")
     parser.add_argument("--engine-prompt-len", type=int, default=64, help="prompt tokens of the engine stage")
     parser.add_argument("--engine-tokens", type=int, default=64, help="new tokens per Engine.generate call")
+    parser.add_argument("--engine-variants", nargs="+", default=[""],
+                        help="config overrides per Engine of the engine stage, each 'key=value,...' ('' = none), "
+                             "on the same params (e.g. 'decode_loop_graphs=false')")
     args = parser.parse_intermixed_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():  # the smoke sizes, where the command line kept the default
@@ -1082,6 +1090,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             variant_steps_per_call(variant)
         except ValueError as e:
             parser.error(f"--decode-variants: {e}")
+    for variant in args.engine_variants:
+        try:
+            step_only = [key for key in variant_overrides(variant) if key not in variant_config_overrides(variant)]
+        except ValueError as e:
+            parser.error(f"--engine-variants: {e}")
+        if step_only:
+            parser.error(f"--engine-variants {variant!r}: {', '.join(step_only)} apply to the decode stage's step "
+                         f"only; an Engine takes config keys (its XLA options come from the config)")
     return args
 
 
@@ -1137,10 +1153,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
         setup = state["setup"]
         copy_bw = results.get("copy_bandwidth", {}).get("used_Bps")
-        user_engine = Engine(setup.config, setup.params, setup.mesh)  # the same arrays: no copy
-        for batch in args.batches:
-            results["engine"].append(run_engine(user_engine, args, batch, copy_bw, results["decode"]))
-            write_json(args.out, results)
+        for variant in args.engine_variants:
+            config = load_benchmark_config(args, **variant_config_overrides(variant))
+            user_engine = Engine(config, setup.params_for(config)[0], setup.mesh)  # the same arrays: no copy
+            for batch in args.batches:
+                results["engine"].append(run_engine(user_engine, args, batch, variant, copy_bw, results["decode"]))
+                write_json(args.out, results)
 
     if "copy" in args.stages:
         stage("copy", copy)

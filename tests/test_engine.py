@@ -161,4 +161,22 @@ def test_decode_graph_scheduling_reaches_the_decode_compile_and_keeps_the_tokens
     monkeypatch.setattr(jax, "jit", recording_jit)
     config = pyconfig.load_config(TINY, {**OVERRIDES, "decode_graph_scheduling": "serialize"})
     assert Engine(config, engine().params).generate(prompt, NEW_TOKENS) == reference
-    assert {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"} in options
+    decode_options = [o for o in options if o and "xla_gpu_command_buffer_scheduling_mode" in o]
+    assert decode_options and all(o["xla_gpu_command_buffer_scheduling_mode"] == "SERIALIZE" for o in decode_options)
+    # decode_loop_graphs (default true): the loop's WHILE / CONDITIONAL commands recorded into the CUDA graphs
+    assert all("WHILE" in o["xla_gpu_enable_command_buffer"].split(",") for o in decode_options)
+
+
+@pytest.mark.parametrize("unroll", [1, 5])
+def test_decode_loop_unroll_keeps_every_token_and_each_rows_eos(unroll):
+    """N decode steps per loop iteration, then single steps: the same tokens, the same stops, max_new_tokens kept
+    (against the default, 2)."""
+    assert engine().config.decode_loop_unroll == 2
+    config = pyconfig.load_config(TINY, {**OVERRIDES, "decode_loop_unroll": unroll})
+    unrolled = Engine(config, engine().params)
+    prompts = _prompts(*BATCH_LENGTHS, seed=3)
+    free = engine().generate(prompts, NEW_TOKENS)
+    assert unrolled.generate(prompts, NEW_TOKENS) == free
+    assert unrolled.last_stats.decode_tokens == 3 * NEW_TOKENS  # no step past max_new_tokens
+    eos = free[1][4]
+    assert unrolled.generate(prompts, NEW_TOKENS, eos_id=eos) == engine().generate(prompts, NEW_TOKENS, eos_id=eos)

@@ -105,6 +105,7 @@ def test_profile_helpers_name_ops_by_model_component():
 # written as true, which XLA takes only as a Python bool).
 VARIANT = ("fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0,"
            "xla_gpu_enable_pdl=true,steps_per_call=2")
+ENGINE_VARIANT = "decode_loop_graphs=false"  # an Engine variant: config keys only
 
 
 def test_smoke_run_end_to_end_on_cpu(tmp_path):
@@ -112,7 +113,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_decode.py"), "--smoke", "--out",
                            str(tmp_path), "--decode-variants", "", VARIANT, "--trace-dir",
-                           str(tmp_path / "traces")], cwd=REPO, env=env,
+                           str(tmp_path / "traces"), "--engine-variants", "", ENGINE_VARIANT], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "model_decode.json").read_text())
@@ -165,10 +166,15 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
     # per batch, each setting vs its first
     assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (- / same) |") == 2
-    # The engine stage: Engine.generate's decode loop per batch, 8 new tokens (7 steps) after 16-token prompts, its
-    # roofline at the loop's mean context with the decode stage's expert counts of that batch (its first setting).
+    # The engine stage: Engine.generate's decode loop per Engine variant and batch, 8 new tokens (7 steps) after
+    # 16-token prompts, its roofline at the loop's mean context with the decode stage's expert counts of that batch
+    # (its first setting).
     config = model_decode.load_benchmark_config(model_decode.parse_args(["--smoke"]))
-    assert [(r["batch"], r["prompt_len"], r["new_tokens"]) for r in results["engine"]] == [(1, 16, 8), (2, 16, 8)]
+    assert [(r["variant"], r["batch"], r["prompt_len"], r["new_tokens"]) for r in results["engine"]] == [
+        ("", 1, 16, 8), ("", 2, 16, 8), (ENGINE_VARIANT, 1, 16, 8), (ENGINE_VARIANT, 2, 16, 8)]
+    # Loops outside the graphs decode the same greedy tokens (the variant changes how the loop is launched only).
+    engine_crcs = {(r["batch"], r["variant"]): r["tokens_crc32"] for r in results["engine"]}
+    assert all(engine_crcs[(b, "")] == engine_crcs[(b, ENGINE_VARIANT)] for b in (1, 2)), engine_crcs
     for row in results["engine"]:
         decode_row = next(r for r in results["decode"] if r["batch"] == row["batch"])
         assert row["distinct_experts_from"] == "decode stage"
@@ -182,7 +188,7 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |",
                        "### Engine.generate (one while_loop program for all decode steps)",
                        "| ops | launches / step | µs / launch |", "### Profile, batch 2, moe auto (gather)",
-                       f"| 2 | auto (gather), {VARIANT} |"):
+                       f"| 2 | auto (gather), {VARIANT} |", f"| 2 | {ENGINE_VARIANT} | 16 | 8 |"):
         assert table_text in proc.stdout
 
 
@@ -190,6 +196,15 @@ def test_engine_stage_needs_a_decode_step():
     with pytest.raises(SystemExit):
         model_decode.parse_args(["--smoke", "--engine-tokens", "1"])
     assert model_decode.parse_args(["--smoke", "--stages", "init,decode", "--engine-tokens", "1"]).engine_tokens == 1
+
+
+@pytest.mark.parametrize("variant", ["steps_per_call=2", "decode_loop_graphs=false,xla_gpu_autotune_level=0"])
+def test_engine_variants_take_config_keys_only(variant, capsys):
+    with pytest.raises(SystemExit):
+        model_decode.parse_args(["--smoke", "--engine-variants", "", variant])
+    assert "apply to the decode stage's step only" in capsys.readouterr().err
+    assert model_decode.parse_args(["--smoke", "--engine-variants", ENGINE_VARIANT]).engine_variants == [
+        ENGINE_VARIANT]
 
 
 def test_decode_variants_parse_into_config_overrides():

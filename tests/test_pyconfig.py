@@ -75,6 +75,7 @@ def test_bad_enum_value_lists_the_allowed_values():
     (["steps"], r"'steps' is not of the form key=value"),
     (["dense_kernel_layout=out_in", "dense_matmul=pallas"], r"dense_matmul='pallas' reads \[in, out\] kernels"),
     (["dense_kernel_layout=torch"], r"'dense_kernel_layout' is 'torch'; allowed values: in_out, out_in"),
+    (["decode_loop_unroll=0"], r"'decode_loop_unroll' is 0; it must be >= 1"),
 ])
 def test_invalid_values(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -231,10 +231,6 @@ class Engine:
         first = sample(first_logits, jax.random.fold_in(rng, 0), sampling)  # [B]
         out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
 
-        def keep_going(state):
-            step, _, _, done, _ = state
-            return (step < max_new_tokens) & ~jnp.all(done)
-
         def step_fn(state):
             step, token, cache, done, out = state
             logits, variables = self.model.apply({"params": params, "cache": cache}, token[:, None],
@@ -243,8 +239,25 @@ class Engine:
             out = jax.lax.dynamic_update_slice(out, token[:, None], (0, step))
             return step + 1, token, variables["cache"], done | (token == eos_id), out
 
+        def steps_while_room(state, steps_per_iteration: int):
+            """Iterations of `steps_per_iteration` steps while they fit in max_new_tokens and a row is not done."""
+            def keep_going(state):
+                step, _, _, done, _ = state
+                return (step + steps_per_iteration <= max_new_tokens) & ~jnp.all(done)
+
+            def iteration(state):
+                for _ in range(steps_per_iteration):
+                    state = step_fn(state)
+                return state
+
+            return jax.lax.while_loop(keep_going, iteration, state)
+
         state = (jnp.int32(1), first, cache, first == eos_id, out)
-        num_steps, _, cache, _, out = jax.lax.while_loop(keep_going, step_fn, state)
+        unroll = self.config.decode_loop_unroll
+        state = steps_while_room(state, unroll)
+        if unroll > 1:  # the last < unroll steps one at a time: no step past max_new_tokens
+            state = steps_while_room(state, 1)
+        num_steps, _, cache, _, out = state
         return out, num_steps, cache
 
     # ------------------------------------------------------------------------------------------- validation
