@@ -22,8 +22,10 @@ def test_graph_scheduling_maps_to_the_xla_option(mode, option):
 def test_loop_graphs_record_while_and_conditional_and_xla_accepts_the_option():
     config = pyconfig.load_config(TINY)
     assert config.decode_loop_graphs
-    options = decode_compiler_options(config)
+    options = decode_compiler_options(config, decode_loop=True)
     assert options["xla_gpu_enable_command_buffer"] == LOOP_COMMAND_TYPES
+    # programs other than the Engine's decode loop (the step, the speculative loop) keep XLA's command types
+    assert "xla_gpu_enable_command_buffer" not in decode_compiler_options(config)
     assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(LOOP_COMMAND_TYPES.split(","))
 
     def count_to_five(x):  # a while_loop, as in the decode loops

@@ -107,7 +107,7 @@ class Engine:
         # The cache is donated into the decode loop (reused in place where the backend supports donation).
         self._decode = sharding.jit_in_mesh(
             self._decode_fn, self.mesh, config, static_argnames=("max_new_tokens", "sampling"),
-            donate_argnames=("cache",), compiler_options=decode_compiler_options(config),
+            donate_argnames=("cache",), compiler_options=decode_compiler_options(config, decode_loop=True),
             in_shardings=(self.param_shardings, cache_shardings, rows(2), replicated, replicated),
             out_shardings=(rows(2), replicated, cache_shardings))
 
