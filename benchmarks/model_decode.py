@@ -124,6 +124,12 @@ def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> 
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
+def roofline_ms(total_bytes: float, copy_bw: float, mesh) -> float:
+    """The roofline of a step that must move `total_bytes`: at the measured copy bandwidth per device, the mesh's
+    devices splitting the bytes."""
+    return total_bytes / (copy_bw * mesh.size) * 1e3
+
+
 def decode_bytes_per_step(config: ml_collections.FrozenConfigDict, batch: int, context: int,
                           distinct_experts_per_layer: float | Sequence[float]) -> dict[str, float]:
     """The bytes one decode step of `batch` rows with `context` cached tokens must move, by term, plus 'total'.
@@ -824,11 +830,10 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
            "warmup_cache_crc32": cache_crc32}
     row["bytes"] = decode_bytes_per_step(config, batch, args.prompt_len, per_layer if per_layer.size else 0.0)
     if copy_bw:
-        bandwidth = copy_bw * setup.mesh.size
-        row["roofline_ms"] = row["bytes"]["total"] / bandwidth * 1e3
+        row["roofline_ms"] = roofline_ms(row["bytes"]["total"], copy_bw, setup.mesh)
         row["tpot_over_roofline"] = row["tpot_ms"] / row["roofline_ms"]
-        row["roofline_uniform_ms"] = decode_bytes_per_step(config, batch, args.prompt_len, uniform)["total"] \
-            / bandwidth * 1e3
+        row["roofline_uniform_ms"] = roofline_ms(
+            decode_bytes_per_step(config, batch, args.prompt_len, uniform)["total"], copy_bw, setup.mesh)
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['tpot_over_roofline']:.2f})" if copy_bw else ""
     log(f"decode {setting}: TPOT {row['tpot_ms']:.3f} ms, {row['tokens_per_s']:.1f} tokens/s{ratio}; "
         f"host dispatch {row['dispatch_ms']:.3f} ms per step; synced step {row['synced_step_ms'] or 0:.3f} ms; "
@@ -902,17 +907,16 @@ def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, de
         expected_distinct_experts(config.num_experts, config.num_experts_per_tok, batch)
     context = args.engine_prompt_len + new_tokens // 2
     row = {"batch": batch, "variant": variant, "prompt_len": args.engine_prompt_len, "new_tokens": new_tokens,
-           "ms_per_step": ms,
-           "runs_ms_per_step": [t * 1e3 for t in per_step], "tokens_per_s": batch / (ms / 1e3),
+           "ms_per_step": ms, "runs_ms_per_step": [t * 1e3 for t in per_step], "tokens_per_s": batch / (ms / 1e3),
            "prefill_ms": statistics.median(prefill_s) * 1e3, "first_call_s": compile_s,
            "distinct_experts": distinct, "distinct_experts_from": "decode stage" if measured else "uniform",
            "tokens_crc32": zlib.crc32(np.asarray(tokens, np.int32).tobytes()),
            "bytes": decode_bytes_per_step(config, batch, context, distinct)}
     if copy_bw:
-        row["roofline_ms"] = row["bytes"]["total"] / (copy_bw * engine.mesh.size) * 1e3
+        row["roofline_ms"] = roofline_ms(row["bytes"]["total"], copy_bw, engine.mesh)
         row["over_roofline"] = ms / row["roofline_ms"]
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['over_roofline']:.2f})" if copy_bw else ""
-    log(f"engine {decode_setting(batch, 'auto', variant)}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} "
+    log(f"engine {decode_setting(batch, config.moe_grouped_matmul, variant)}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} "
         f"tokens/s){ratio}; prefill {row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
     return row
 
@@ -1023,8 +1027,7 @@ def report(results: dict) -> str:
         for r in results["engine"]:
             roof = f"{r['roofline_ms']:.3f} | {r['over_roofline']:.2f}" if "roofline_ms" in r else "- | -"
             lines.append(f"| {r['batch']} | {r['variant'] or 'defaults'} | {r['prompt_len']} | {r['new_tokens']} | "
-                         f"{r['ms_per_step']:.3f} | "
-                         f"{r['tokens_per_s']:.1f} | {roof} | {r['distinct_experts']:.1f} "
+                         f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} | {roof} | {r['distinct_experts']:.1f} "
                          f"({r['distinct_experts_from']}) | {r['prefill_ms']:.1f} | {r['first_call_s']:.1f} | "
                          f"{r['tokens_crc32']} |")
     for stage, error in results["errors"].items():
