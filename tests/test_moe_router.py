@@ -132,3 +132,65 @@ def test_pallas_router_reads_bf16_tokens_as_they_are(monkeypatch):
     assert seen == [jnp.bfloat16, jnp.float32]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_product_and_route_in_one_launch_equals_the_two_launches(tokens):
+    """pallas_route.product_and_route: the router's product and routing in one pallas_call (the last product
+    program of each token routes it) gives the two launches' result exactly: the same partial products, summed in
+    the same order. bf16 tokens and kernel, 256 experts, top-8, D = 512 (4 partial sums), exact ties."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
+    kernel = np.asarray(rng.standard_normal((512, 256)) / 16, np.float32)
+    kernel[:, 1::7] = kernel[:, :1]  # every 7th expert ties with expert 0
+    kernel = jnp.asarray(kernel, jnp.bfloat16)
+    _, bias = _logits(rng, tokens, 256)
+    kw = dict(top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446)
+
+    def one_launch(x):
+        return pallas_route.product_and_route(x, kernel, bias, interpret=True, **kw)
+
+    weights, ids = one_launch(x)
+    want_weights, want_ids = pallas_route.route_logits(
+        pallas_gmm.vector_matrix_partials(x, kernel, interpret=True), bias, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(weights), np.asarray(want_weights))
+    assert [e.primitive.name for e in jax.make_jaxpr(one_launch)(x).jaxpr.eqns].count("pallas_call") == 1
+    with pytest.raises(ValueError, match=r"correction_bias must be \[256\]"):
+        pallas_route.product_and_route(x, kernel, bias[:8], interpret=True, **kw)
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_router_layer_takes_one_launch_when_configured(monkeypatch, one_launch):
+    """moe_router_one_launch (default off): the Router's Pallas product and routing as one product_and_route call
+    instead of vector_matrix_partials then route_logits; the same experts and weights."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    from MaxText.layers.moe import Router
+    overrides = ["num_experts=16", "num_experts_per_tok=4", "emb_dim=256", "moe_router_kernel=pallas",
+                 f"moe_router_one_launch={str(one_launch).lower()}"]
+    assert not pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_router_one_launch  # the default
+    config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, overrides)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.float32)
+    calls = []
+
+    def interpreted(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **{**kwargs, "interpret": True})
+        return call
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
+    for name, module, attr in (("route", pallas_route, "route_logits"), ("product", pallas_gmm,
+                                                                        "vector_matrix_partials"),
+                               ("one launch", pallas_route, "product_and_route")):
+        monkeypatch.setattr(module, attr, interpreted(name, getattr(module, attr)))
+    params = nn.meta.unbox(Router(config).init(jax.random.PRNGKey(0), x))
+    calls.clear()
+    got = Router(config).apply(params, x)
+    want = route(jax.nn.sigmoid(x @ params["params"]["kernel"]), params["params"]["e_score_correction_bias"],
+                 n_groups=1, top_k_groups=1, top_k=4, norm_topk_prob=config.norm_topk_prob,
+                 routed_scaling_factor=config.routed_scaling_factor)
+    # (one launch: product_and_route's launch is vector_matrix_partials' with its `finish`)
+    assert calls == (["one launch", "product"] if one_launch else ["product", "route"])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)

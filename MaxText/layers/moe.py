@@ -49,7 +49,8 @@ class Router(nn.Module):
                           (cfg.num_experts,), jnp.float32)
         return route_tokens(x, kernel, bias, top_k=cfg.num_experts_per_tok, n_groups=cfg.n_routing_groups,
                             top_k_groups=cfg.topk_routing_group, norm_topk_prob=cfg.norm_topk_prob,
-                            routed_scaling_factor=cfg.routed_scaling_factor, implementation=cfg.moe_router_kernel)
+                            routed_scaling_factor=cfg.routed_scaling_factor, implementation=cfg.moe_router_kernel,
+                            one_launch=cfg.moe_router_one_launch)
 
 
 class RoutedExperts(nn.Module):

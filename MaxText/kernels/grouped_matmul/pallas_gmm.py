@@ -149,21 +149,27 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
-def _rowwise_kernel(groups_ref, *refs, block_k, block_n, k_blocks, num_inputs, num_weights, num_groups, mma, glu,
-                    partial_rows, rows_per_token, listed_rows, interpret):
-    """refs: `num_inputs` row refs (the rows, or with partial_rows the parts [S, M, K] of PartialRows), then
-    `num_weights` weight refs, then (with extra weights) one extra weight ref per weight, then the outputs (one per
-    weight; glu: one). Each program multiplies its row by every weight array's [K / split_k, block_n] block in one
-    loop over K (the row loaded once for all); a row of group g >= num_groups uses the extra weights' matrix
-    g - num_groups, and rows past the `listed_rows` of groups_ref (None: all) are of group num_groups.
-    rows_per_token > 0: the rows are tokens, row r < T * rows_per_token reads token r // rows_per_token and the extra
-    rows after them token r - T * rows_per_token (`token_rows`). mma: each K block as a tensor-core product of a
-    16-row tile holding the row in row 0 (zeros elsewhere), so that Triton pipelines the weight loads as it does for
-    products; else float32 FMAs and a reduction over K. glu: stores silu_glu of the two products (split_k 1 only)."""
+def _rowwise_kernel(groups_ref, *refs, **options):
+    """The `rows` grid's kernel: program (row, column block, K split) is `_rowwise_program`'s."""
+    _rowwise_program((pl.program_id(0), pl.program_id(1), pl.program_id(2)), groups_ref, refs, **options)
+
+
+def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_inputs, num_weights, num_groups, mma,
+                     glu, partial_rows, rows_per_token, listed_rows, interpret):
+    """One program of the `rows` grid, ids = (row, column block, K split). refs: `num_inputs` row refs (the rows, or
+    with partial_rows the parts [S, M, K] of PartialRows), then `num_weights` weight refs, then (with extra weights) one
+    extra weight ref per weight, then the outputs (one per weight; glu: one). Each program multiplies its row by
+    every weight array's [K / split_k, block_n] block in one loop over K (the row loaded once for all); a row of
+    group g >= num_groups uses the extra weights' matrix g - num_groups, and rows past the `listed_rows` of
+    groups_ref (None: all) are of group num_groups. rows_per_token > 0: the rows are tokens, row r < T *
+    rows_per_token reads token r // rows_per_token and the extra rows after them token r - T * rows_per_token
+    (`token_rows`). mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0 (zeros
+    elsewhere), so that Triton pipelines the weight loads as it does for products; else float32 FMAs and a reduction
+    over K. glu: stores silu_glu of the two products (split_k 1 only)."""
     num_outputs = 1 if glu else num_weights
     row_refs, refs = refs[:num_inputs], refs[num_inputs:]
     w_refs, extra_refs, out_refs = refs[:num_weights], refs[num_weights:-num_outputs], refs[-num_outputs:]
-    row, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, col_block, split = ids
     if listed_rows is None:
         group = groups_ref[row]
     else:
@@ -375,6 +381,17 @@ def _partial_dtype(rows_dtype, split_k: int):
     return rows_dtype if split_k == 1 else jnp.float32
 
 
+def _rowwise_options(rows, weights, row_groups, *, block_k, block_n, split_k, one_launch, mma, glu, num_rows,
+                     rows_per_token, interpret) -> dict:
+    """`_rowwise_program`'s options for a `rows` grid launch (as `_rowwise_partials` takes its arguments)."""
+    listed = row_groups.shape[0]
+    return dict(block_k=block_k, block_n=block_n, k_blocks=rows.shape[1] // block_k // split_k,
+                num_inputs=len(rows.parts) if isinstance(rows, PartialRows) else 1,
+                num_weights=len(weights) if one_launch else 1, num_groups=weights[0].shape[0], mma=mma, glu=glu,
+                partial_rows=isinstance(rows, PartialRows), rows_per_token=rows_per_token,
+                listed_rows=None if listed == num_rows else listed, interpret=interpret)
+
+
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
                       mma=False, glu=False, extra_weights=(), num_rows=None, rows_per_token=0, out_dtype=None):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
@@ -383,18 +400,15 @@ def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, p
     rows of groups E...E+X-1. rows: an array or PartialRows; num_rows: the product rows M (default rows');
     rows_per_token: `grouped_matmul`'s; out_dtype: the products' (default `_partial_dtype`)."""
     num_rows = num_rows or rows.shape[0]
-    contract = rows.shape[1]
-    num_groups, _, out_dim = weights[0].shape
+    out_dim = weights[0].shape[2]
     per_launch = len(weights) if one_launch else 1
     inputs = rows.parts if isinstance(rows, PartialRows) else (rows,)
-    listed = row_groups.shape[0]
     out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), out_dtype or _partial_dtype(rows.dtype, split_k))
+    options = _rowwise_options(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
+                               one_launch=one_launch, mma=mma, glu=glu, num_rows=num_rows,
+                               rows_per_token=rows_per_token, interpret=interpret)
     call = pl.pallas_call(
-        functools.partial(_rowwise_kernel, block_k=block_k, block_n=block_n, k_blocks=contract // block_k // split_k,
-                          num_inputs=len(inputs), num_weights=per_launch, num_groups=num_groups, mma=mma, glu=glu,
-                          partial_rows=isinstance(rows, PartialRows),
-                          rows_per_token=rows_per_token, listed_rows=None if listed == num_rows else listed,
-                          interpret=interpret),
+        functools.partial(_rowwise_kernel, **options),
         out_shape=(out_shape,) * (1 if glu else per_launch),
         grid=(num_rows, out_dim // block_n, split_k), compiler_params=params, interpret=interpret,
         name="grouped_matmul_rows")
@@ -405,13 +419,35 @@ def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, p
     return tuple(out for w, x in zip(weights, extras) for out in call(groups, *inputs, w, *x))
 
 
+def _finishing_kernel(groups_ref, rows_ref, kernel_ref, *refs, finish, num_finish_inputs, programs_per_row,
+                      options):
+    """`vector_matrix_partials` with `finish`: program (row, column block, K block) writes its partial product, then
+    counts itself done for its row; the row's last program to count calls `finish` on the row's partial products
+    (all written: the count is an atomic read-modify-write, acquire and release at GPU scope)."""
+    finish_inputs, refs = refs[:num_finish_inputs], refs[num_finish_inputs + 1:]  # (+1: the counts' input)
+    parts_ref, finish_outputs, counts_ref = refs[0], refs[1:-1], refs[-1]
+    ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
+    _rowwise_program(ids, groups_ref, (rows_ref, kernel_ref, parts_ref), **options)
+    if not options["interpret"]:  # every thread's stores before the count (one thread's atomic)
+        pltriton.debug_barrier()
+    done_before = pltriton.atomic_add(counts_ref, ids[0], jnp.int32(1))
+    pl.when(done_before == programs_per_row - 1)(
+        functools.partial(finish, ids[0], parts_ref, *finish_inputs, *finish_outputs))
+
+
 def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int = 128, block_n: int = 64,
-                           num_warps: int = 4, interpret: bool = False) -> jax.Array:
+                           num_warps: int = 4, finish=None, finish_inputs=(), finish_outputs=(),
+                           interpret: bool = False):
     """rows [M, K] (few: one program per row and block) x kernel [K, N] -> [K / block_k, M, N] float32 partial
     products, one per block of K (their sum is rows @ kernel), for a consumer that sums them itself (the MoE router
     kernel sums them while it routes: no separate reduction). The `rows` grid with one group and K split into every
     block; both operands are multiplied in float32 as stored (bf16 rows or a bf16 kernel are not converted first:
-    exact products)."""
+    exact products).
+
+    finish: in the same launch, the last program of each row to write its partial product calls
+    finish(row, parts_ref, *finish_input_refs, *finish_output_refs) (e.g. the MoE router's routing of the row's
+    token: `pallas_route.product_and_route`). finish_inputs: arrays; finish_outputs: ShapeDtypeStructs. Returns
+    (parts, *finish outputs) then."""
     num_rows, contract = rows.shape
     if kernel.ndim != 2 or kernel.shape[0] != contract:
         raise ValueError(f"expected a kernel [{contract}, N] for rows [{num_rows}, {contract}], got {kernel.shape}")
@@ -419,11 +455,25 @@ def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int =
     if reason:
         raise ValueError(reason)
     block_k, block_n = _block(contract, block_k), _block(kernel.shape[1], block_n)
-    (parts,) = _rowwise_partials(rows, (kernel[None],), jnp.zeros((num_rows,), jnp.int32), block_k=block_k,
-                                 block_n=block_n, split_k=contract // block_k,
-                                 params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), one_launch=False,
-                                 interpret=interpret, out_dtype=jnp.float32)
-    return parts
+    plan = dict(block_k=block_k, block_n=block_n, split_k=contract // block_k, one_launch=False,
+                interpret=interpret)
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    groups = jnp.zeros((num_rows,), jnp.int32)
+    if finish is None:
+        (parts,) = _rowwise_partials(rows, (kernel[None],), groups, params=params, out_dtype=jnp.float32, **plan)
+        return parts
+    options = _rowwise_options(rows, (kernel[None],), groups, mma=False, glu=False, num_rows=num_rows,
+                               rows_per_token=0, **plan)
+    grid = (num_rows, kernel.shape[1] // block_n, contract // block_k)
+    inputs = (groups, rows, kernel[None], *finish_inputs, jnp.zeros((num_rows,), jnp.int32))
+    outs = pl.pallas_call(
+        functools.partial(_finishing_kernel, finish=finish, num_finish_inputs=len(finish_inputs),
+                          programs_per_row=grid[1] * grid[2], options=options),
+        out_shape=(jax.ShapeDtypeStruct((grid[2], num_rows, kernel.shape[1]), jnp.float32), *finish_outputs,
+                   jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
+        grid=grid, input_output_aliases={len(inputs) - 1: len(finish_outputs) + 1}, compiler_params=params,
+        interpret=interpret, name="vector_matrix_finished")(*inputs)
+    return outs[:-1]
 
 
 def tiles_pipeline_stages(requested: int, block_m: int, block_k: int, block_n: int, num_weights: int, dtype) -> int:

@@ -16,7 +16,9 @@ Implementations:
   pallas  pallas_route.py: one Triton kernel for the routing, one program per token (NVIDIA GPU, no multi-device
           mesh; n_groups = 1, E and k powers of two). For at most ROWWISE_MAX_ROWS (16) tokens (decode) the
           product is one Pallas launch too (`pallas_gmm.vector_matrix_partials`: float32 products of the kernel as
-          stored, one partial sum per block of D, which the routing kernel adds up): two kernels per MoE layer.
+          stored, one partial sum per block of D, which the routing kernel adds up): two kernels per MoE layer, or
+          one with `one_launch` (config key `moe_router_one_launch`: the product's last program per token routes
+          it, `pallas_route.product_and_route`).
           H200, Kimi-Linear-48B batch-1 decode: 3.675 vs 3.831 ms per token with the routing kernel alone.
   auto    pallas where it runs, else xla (one log line); the default.
 """
@@ -50,15 +52,20 @@ def resolve(implementation: str, num_experts: int, top_k: int, n_groups: int) ->
 
 def route_tokens(x: jax.Array, kernel: jax.Array, correction_bias: jax.Array, *, top_k: int, n_groups: int,
                  top_k_groups: int, norm_topk_prob: bool, routed_scaling_factor: float,
-                 implementation: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """See the module docstring."""
+                 implementation: str = "xla", one_launch: bool = False) -> tuple[jax.Array, jax.Array]:
+    """See the module docstring. one_launch: the Pallas product and routing of at most ROWWISE_MAX_ROWS tokens in
+    one launch (`pallas_route.product_and_route`; config key `moe_router_one_launch`)."""
     num_tokens, dim = x.shape
     options = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
     if resolve(implementation, kernel.shape[-1], top_k, n_groups) == "pallas":
         # pylint: disable=import-outside-toplevel
         from MaxText.kernels.grouped_matmul import pallas_gmm
         from MaxText.kernels.moe_router import pallas_route
-        if num_tokens <= ROWWISE_MAX_ROWS and pallas_gmm.unsupported_reason(x.dtype, dim, kernel.shape[-1]) is None:
+        rows_grid = num_tokens <= ROWWISE_MAX_ROWS and pallas_gmm.unsupported_reason(x.dtype, dim,
+                                                                                      kernel.shape[-1]) is None
+        if rows_grid and one_launch:
+            return pallas_route.product_and_route(x, kernel, correction_bias, **options)
+        if rows_grid:
             # [D / 128, N, E] partial sums of float32 products of x and the kernel as stored: a bf16 x is read as it
             # is (no float32 copy of it made before the launch)
             logits = pallas_gmm.vector_matrix_partials(x, kernel)
