@@ -916,8 +916,9 @@ def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, de
         row["roofline_ms"] = roofline_ms(row["bytes"]["total"], copy_bw, engine.mesh)
         row["over_roofline"] = ms / row["roofline_ms"]
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['over_roofline']:.2f})" if copy_bw else ""
-    log(f"engine {decode_setting(batch, config.moe_grouped_matmul, variant)}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} "
-        f"tokens/s){ratio}; prefill {row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
+    log(f"engine {decode_setting(batch, config.moe_grouped_matmul, variant)}: {ms:.3f} ms per decode step "
+        f"({row['tokens_per_s']:.1f} tokens/s){ratio}; prefill {row['prefill_ms']:.1f} ms; first call "
+        f"{compile_s:.1f} s{memory_note()}")
     return row
 
 

@@ -458,14 +458,15 @@ def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int =
     plan = dict(block_k=block_k, block_n=block_n, split_k=contract // block_k, one_launch=False,
                 interpret=interpret)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-    groups = jnp.zeros((num_rows,), jnp.int32)
+    groups, weights = jnp.zeros((num_rows,), jnp.int32), (kernel[None],)  # one group
     if finish is None:
-        (parts,) = _rowwise_partials(rows, (kernel[None],), groups, params=params, out_dtype=jnp.float32, **plan)
+        (parts,) = _rowwise_partials(rows, weights, groups, params=params, out_dtype=jnp.float32, **plan)
         return parts
-    options = _rowwise_options(rows, (kernel[None],), groups, mma=False, glu=False, num_rows=num_rows,
-                               rows_per_token=0, **plan)
+    options = _rowwise_options(rows, weights, groups, mma=False, glu=False, num_rows=num_rows, rows_per_token=0,
+                               **plan)
     grid = (num_rows, kernel.shape[1] // block_n, contract // block_k)
-    inputs = (groups, rows, kernel[None], *finish_inputs, jnp.zeros((num_rows,), jnp.int32))
+    counts = jnp.zeros((num_rows,), jnp.int32)  # programs done per row (aliased to the last output)
+    inputs = (groups, rows, *weights, *finish_inputs, counts)
     outs = pl.pallas_call(
         functools.partial(_finishing_kernel, finish=finish, num_finish_inputs=len(finish_inputs),
                           programs_per_row=grid[1] * grid[2], options=options),
