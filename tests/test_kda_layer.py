@@ -1,6 +1,7 @@
 """The KDA Linen block vs HF transformers' KimiLinearDeltaAttention, and its cache invariants."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from MaxText import hf_weights, pyconfig
+from MaxText.kernels import kda as kda_kernels
 from MaxText.layers import kda
 from MaxText.layers.kda import KimiDeltaAttention
 
@@ -206,9 +208,7 @@ def interpreted_pallas(monkeypatch):
     """kda_kernel=pallas resolves on CPU and runs the Pallas kernels in the interpreter (interpret=True). Returns a
     Counter of the kernel entry points called (once per trace under jit)."""
     import collections
-    import types
 
-    from MaxText.kernels import kda as kda_kernels
     from MaxText.kernels.kda import pallas_ops
 
     calls = collections.Counter()
@@ -255,6 +255,48 @@ def test_autoregressive_pallas_runs_the_packed_decode_kernel(interpreted_pallas)
         steps.append((np.concatenate(outputs, axis=1), jax.tree.map(np.asarray, cache)))
     assert interpreted_pallas["packed_decode_kda"] >= 1 and interpreted_pallas["fused_recurrent_kda"] == 0
     (want, want_cache), (got, got_cache) = steps
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    assert_same_cache(got_cache, want_cache)
+
+
+@pytest.mark.parametrize("out_norm", [True, False])
+def test_decode_out_norm_runs_in_the_packed_decode_kernel(interpreted_pallas, monkeypatch, out_norm):
+    """kda_decode_out_norm (default true): the packed decode kernel gets the output gate and o_norm's scale and applies
+    the norm (GatedRMSNorm's call does not run); with false GatedRMSNorm runs after it. 8 steps equal
+    kda_kernel=naive's with the same params either way."""
+    _, layer = hf_layer()
+    x = random_x(20, seed=7)
+    params = our_params(layer, our_config())
+    prefilled = _prefill_cache(our_config(kda_kernel="naive"), params, x[:, :12])
+
+    def decode_steps(config):
+        model = KimiDeltaAttention(config)
+        cache = prefilled
+        step = jax.jit(lambda cache, token: model.apply({"params": params, "cache": cache}, token,
+                                                        model_mode="autoregressive", mutable=["cache"]))
+        outputs = []
+        for t in range(12, 20):
+            out, mutated = step(cache, jnp.asarray(x[:, t:t + 1]))
+            cache = mutated["cache"]
+            outputs.append(np.asarray(out))
+        return np.concatenate(outputs, axis=1), jax.tree.map(np.asarray, cache)
+
+    want, want_cache = decode_steps(our_config(kda_kernel="naive"))
+    pallas = kda_kernels.load_pallas()  # the fixture's interpreted kernels
+    norm_eps = []
+
+    def packed_decode_kda(*args, **kwargs):
+        norm_eps.append(kwargs.get("out_norm_eps"))
+        return pallas.packed_decode_kda(*args, **kwargs)
+    monkeypatch.setattr(kda_kernels, "load_pallas", lambda: types.SimpleNamespace(packed_decode_kda=packed_decode_kda))
+    norm_calls = []
+    norm_call = kda.GatedRMSNorm.__call__
+    monkeypatch.setattr(kda.GatedRMSNorm, "__call__", lambda *args: norm_calls.append(1) or norm_call(*args))
+    assert our_config().kda_decode_out_norm
+    got, got_cache = decode_steps(our_config(kda_kernel="pallas", kda_decode_out_norm=out_norm))
+    # One trace: the norm in the kernel's call, or GatedRMSNorm after it.
+    assert norm_eps == [our_config().normalization_layer_epsilon if out_norm else None]
+    assert len(norm_calls) == (0 if out_norm else 1)
     np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
     assert_same_cache(got_cache, want_cache)
 

@@ -23,7 +23,7 @@ import pytest
 from MaxText.kernels import kda as kda_kernels
 from MaxText.kernels.kda import mosaic_decode, pallas_ops
 from MaxText.kernels.kda.naive import naive_recurrent_kda
-from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference
+from MaxText.kernels.kda.packed_decode import apply_output_norm, packed_decode_kda_reference
 from MaxText.kernels.kda.verify import recurrent_kda_checkpoints, recurrent_kda_ring_checkpoints
 from tests.kda_inputs import assert_close, random_kda_inputs
 
@@ -267,8 +267,8 @@ def test_mosaic_decode_lowers_for_cuda_updating_the_donated_pool_in_place():
 
 def test_packed_decode_takes_the_mosaic_kernel_when_asked(monkeypatch):
     """pallas_ops.packed_decode_kda(kernel="mosaic") runs mosaic_decode (interpreted here) with the dispatcher's
-    scale; on CPU the default stays the Triton kernel (decode_kernel needs a Hopper GPU); other dims, an unknown
-    kernel and the Triton kernel's tile options are errors."""
+    scale (and XLA's output norm after it when asked); on CPU the default stays the Triton kernel (decode_kernel
+    needs a Hopper GPU); other dims, an unknown kernel and the Triton kernel's tile options are errors."""
     H, K, V, S = 2, 128, 128, 3
     x = _decode_inputs(np.random.default_rng(12), 2, H, K, V, S)
     slots = jnp.asarray([2, 0], jnp.int32)
@@ -282,6 +282,11 @@ def test_packed_decode_takes_the_mosaic_kernel_when_asked(monkeypatch):
     assert len(calls) == 1 and calls[0]["scale"] == K ** -0.5
     assert_close(o, o_ref)
     assert_close(pool, pool_ref)
+    norm = dict(out_gate=jnp.asarray(np.random.default_rng(14).standard_normal((2, H * V)), jnp.float32),
+                out_norm_scale=jnp.full((V,), 1.5, jnp.float32), out_norm_eps=1e-6)  # the output norm after it
+    o, _ = pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, kernel="mosaic",
+                                        interpret=True, **norm)
+    assert_close(o, packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K, **norm)[0])
     with pytest.raises(ValueError, match="block_v: options of the Triton decode kernel"):
         pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, kernel="mosaic", block_v=64)
     with pytest.raises(ValueError, match="kernel must be one of"):
@@ -422,6 +427,37 @@ def test_packed_decode_out_dtype():
     assert_close(o, o_ref)
 
 
+
+@pytest.mark.parametrize("block_v", [16, 32])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_decode_output_norm_in_the_launch(block_v, dtype):
+    """out_norm_eps: the kernel's output is the KDA output norm of its o (`apply_output_norm`), in one launch; with
+    a head split over value blocks (16) the head's last block computes it after a count of its finished blocks.
+    Padding rows stay zero; the pool is the plain kernel's. (The Mosaic kernel's path:
+    test_packed_decode_takes_the_mosaic_kernel_when_asked.)"""
+    H, K, V, S = 2, 32, 32, 7
+    rng = np.random.default_rng(21)
+    x = _decode_inputs(rng, 5, H, K, V, S)
+    x["mixed_qkv"] = x["mixed_qkv"].astype(dtype)
+    slots = jnp.asarray([4, -1, 0, 6, -1], jnp.int32)
+    norm = dict(out_gate=jnp.asarray(rng.standard_normal((5, H * V)), jnp.float32),
+                out_norm_scale=jnp.asarray(1.0 + 0.3 * rng.standard_normal(V), jnp.float32), out_norm_eps=1e-6)
+    o_ref, pool_ref = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K, **norm)
+    plain, _ = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K)
+    np.testing.assert_array_equal(o_ref, apply_output_norm(plain, **norm))
+    jaxpr = jax.make_jaxpr(functools.partial(pallas_ops.packed_decode_kda, num_heads=H, head_dim=K, interpret=True,
+                                             block_v=block_v, **norm))(*x.values(), slots)
+    assert len([e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]) == 1
+    o, pool = pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, interpret=True,
+                                           block_v=block_v, **norm)
+    assert o.dtype == o_ref.dtype == dtype
+    assert_close(o, o_ref)
+    assert_close(pool, pool_ref)
+    assert np.all(np.asarray(o, np.float32)[[1, 4]] == 0.0), "padding rows must output zeros"
+    with pytest.raises(ValueError, match="out_norm_eps needs out_gate"):
+        pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, interpret=True,
+                                     out_norm_eps=1e-6)
+
 def test_packed_decode_and_verify_dispatch_to_plain_jax_off_gpu():
     H, K, V, S = 2, 32, 32, 2
     x = _decode_inputs(np.random.default_rng(8), 2, H, K, V, S)
@@ -440,8 +476,10 @@ def test_packed_decode_and_verify_dispatch_to_plain_jax_off_gpu():
 
 def sharded_serving_kernels_report() -> dict:
     """Run in a 4-device subprocess: the packed decode and verify Pallas kernels (interpreted) under `partitioned`
-    on a data=2 x tensor=2 mesh vs their unsharded plain-JAX versions. Returns max abs differences."""
+    on a data=2 x tensor=2 mesh vs their unsharded plain-JAX versions (and the dispatcher's packed decode with the
+    output norm, which XLA applies after the sharded kernel there). Returns max abs differences."""
     import functools
+    import types
 
     import flax.linen as nn
     import jax
@@ -455,6 +493,9 @@ def sharded_serving_kernels_report() -> dict:
     x = _decode_inputs(np.random.default_rng(11), B, H, K, V, B)
     slots = jnp.asarray([1, -1, 3, 2], jnp.int32)  # each row's slot in its own row shard; a padding row
     o_ref, pool_ref = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K)
+    norm = dict(out_gate=jnp.asarray(np.random.default_rng(14).standard_normal((B, H * V)), jnp.float32),
+                out_norm_scale=jnp.full((V,), 0.5, jnp.float32), out_norm_eps=1e-6)
+    o_normed_ref, _ = packed_decode_kda_reference(**x, slot_indices=slots, num_heads=H, head_dim=K, **norm)
     v = random_kda_inputs(np.random.default_rng(12), B, 3, H, K, V, raw_gate=True)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
     o_v_ref, ckpt_ref = recurrent_kda_checkpoints(**v, **kw)
@@ -464,6 +505,12 @@ def sharded_serving_kernels_report() -> dict:
         decode = kda_kernels.partitioned(functools.partial(pallas_ops.packed_decode_kda, interpret=True),
                                          shard_map_packed_decode, rows="cache_batch")
         o, pool = jax.jit(lambda x, s: decode(**x, slot_indices=s, num_heads=H, head_dim=K))(x, slots)
+        kda_kernels.pallas_unavailable_reason = lambda *args: None  # (a subprocess of its own: no restore needed)
+        kda_kernels.load_pallas = lambda: types.SimpleNamespace(
+            packed_decode_kda=functools.partial(pallas_ops.packed_decode_kda, interpret=True))
+        o_normed, _ = jax.jit(lambda x, s, n: kda_kernels.packed_decode_kda(
+            **x, slot_indices=s, num_heads=H, head_dim=K, implementation="pallas", **n, out_norm_eps=1e-6))(
+                x, slots, {k: norm[k] for k in ("out_gate", "out_norm_scale")})
         verify = kda_kernels.partitioned(functools.partial(pallas_ops.recurrent_kda_checkpoints, interpret=True),
                                          shard_map_verify)
         o_v, ckpt = jax.jit(lambda v: verify(**v, **kw))(v)
@@ -471,7 +518,8 @@ def sharded_serving_kernels_report() -> dict:
                                                                 interpret=True), shard_map_verify, rows="cache_batch")
         o_r, ring = jax.jit(lambda r: ring_verify(**r, **kw))(r)
     diff = lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max())  # noqa: E731
-    return {"decode_o": diff(o, o_ref), "decode_pool": diff(pool, pool_ref), "verify_o": diff(o_v, o_v_ref),
+    return {"decode_o": diff(o, o_ref), "decode_pool": diff(pool, pool_ref),
+            "decode_normed_o": diff(o_normed, o_normed_ref), "verify_o": diff(o_v, o_v_ref),
             "verify_checkpoints": diff(ckpt, ckpt_ref), "ring_verify_o": diff(o_r, o_r_ref),
             "ring_verify_ring": diff(ring, ring_ref), "pool_spec": list(pool.sharding.spec),
             "ring_spec": list(ring.sharding.spec)}

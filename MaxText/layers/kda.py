@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
+from MaxText.kernels.kda.common import gated_rms_norm
 from MaxText.layers.linears import Dense, dense_together
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
@@ -144,13 +145,12 @@ class GatedRMSNorm(nn.Module):
     eps: float
     param_dtype: jnp.dtype = jnp.float32
 
-    @nn.compact
+    def setup(self):  # (setup, not compact: the decode kernel reads `scale` without the module's call)
+        self.scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (None,)),
+                                (self.features,), self.param_dtype)
+
     def __call__(self, x, gate):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (self.features,),
-                           self.param_dtype)
-        x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return x * scale.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return gated_rms_norm(x, gate, self.scale, self.eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -214,12 +214,15 @@ class KimiDeltaAttention(nn.Module):
             ring = state_ring.value
             num_slots = ring.shape[1]
             pool_rows = jnp.arange(batch, dtype=jnp.int32) * num_slots + state_slot.value
+            # With kda_decode_out_norm the kernel also applies the output norm (gate and scale as inputs).
+            out_norm = dict(out_gate=self._out_gate(g_a)[:, 0], out_norm_scale=self._out_norm().scale,
+                            out_norm_eps=cfg.normalization_layer_epsilon) if cfg.kda_decode_out_norm else {}
             o, pool = kda_kernels.packed_decode_kda(
                 mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias,
                 ring.reshape(batch * num_slots, *ring.shape[2:]), pool_rows, num_heads=num_heads,
-                head_dim=head_dim, implementation=cfg.kda_kernel)  # o: [B, H, V]; pool: [B*S, H, K, V]
+                head_dim=head_dim, implementation=cfg.kda_kernel, **out_norm)  # o: [B, H, V]; pool: [B*S, H, K, V]
             return self._update_cache_and_output(g_a, o[:, None], conv_state, new_window, state_ring,
-                                                 pool.reshape(ring.shape))
+                                                 pool.reshape(ring.shape), normed=bool(out_norm))
 
         qkv = mixed_qkv.reshape(batch, seq_len, 3, num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, K]
@@ -254,23 +257,35 @@ class KimiDeltaAttention(nn.Module):
         new_ring = None if state_ring is None else write_slot(state_ring.value, state_slot.value, final_state)
         return self._update_cache_and_output(g_a, o, conv_state, new_window, state_ring, new_ring)
 
-    def _update_cache_and_output(self, g_a, o, conv_state, new_window, state_ring, new_ring):
-        """Stores the new conv window and state ring (prefill / autoregressive), then `_output(g_a, o)`."""
+    def _update_cache_and_output(self, g_a, o, conv_state, new_window, state_ring, new_ring, normed=False):
+        """Stores the new conv window and state ring (prefill / autoregressive), then `_output(g_a, o)` (only the
+        output projection when `normed`: the kernel applied the output norm)."""
         if state_ring is not None and not self.is_initializing():
             conv_state.value = nn.with_logical_constraint(new_window, CACHE_LOGICAL_AXES["conv_state"])
             state_ring.value = nn.with_logical_constraint(new_ring, CACHE_LOGICAL_AXES["recurrent_state"])
-        return self._output(g_a, nn.with_logical_constraint(o, HEAD_ACTIVATION_AXES))
+        o = nn.with_logical_constraint(o, HEAD_ACTIVATION_AXES)
+        return self._o_proj(o.astype(jnp.dtype(self.config.dtype))) if normed else self._output(g_a, o)
+
+    def _out_gate(self, g_a):
+        """The output gate g_b_proj(g_a): [B, T, K] -> [B, T, H*V]."""
+        return self._dense(self.config.kda_num_heads * self.config.kda_head_dim, (None, "kda_qkv"), "g_b_proj")(g_a)
+
+    def _out_norm(self):
+        cfg = self.config
+        return GatedRMSNorm(cfg.kda_head_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype),
+                            name="o_norm")
+
+    def _o_proj(self, o):
+        """o [B, T, H, V] -> o_proj [B, T, D]."""
+        batch, seq_len, num_heads, head_dim = o.shape
+        return self._dense(self.config.emb_dim, ("kda_qkv", "embed"), "o_proj")(
+            o.reshape(batch, seq_len, num_heads * head_dim))
 
     def _output(self, g_a, o):
         """Output gate (from g_a = g_a_proj(x) [B, T, K]), gated RMSNorm over each head, output projection:
         o [B, T, H, V] -> [B, T, D]."""
-        cfg = self.config
-        batch, seq_len, num_heads, head_dim = o.shape
-        qkv_dim = num_heads * head_dim
-        gate = self._dense(qkv_dim, (None, "kda_qkv"), "g_b_proj")(g_a).reshape(batch, seq_len, num_heads, head_dim)
-        o = GatedRMSNorm(head_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype), name="o_norm")(
-            o, gate).astype(jnp.dtype(cfg.dtype))
-        return self._dense(cfg.emb_dim, ("kda_qkv", "embed"), "o_proj")(o.reshape(batch, seq_len, qkv_dim))
+        gate = self._out_gate(g_a).reshape(o.shape)
+        return self._o_proj(self._out_norm()(o, gate).astype(jnp.dtype(self.config.dtype)))
 
 
 def commit_verified(layer_cache, accepted_len):

@@ -32,7 +32,7 @@ import jax
 from MaxText.kernels.kda import verify
 from MaxText.kernels.kda.chunked import chunked_kda
 from MaxText.kernels.kda.naive import naive_recurrent_kda
-from MaxText.kernels.kda.packed_decode import packed_decode_kda_reference, shard_map_packed_decode
+from MaxText.kernels.kda.packed_decode import apply_output_norm, packed_decode_kda_reference, shard_map_packed_decode
 from MaxText.kernels.kda.sharded import shard_map_over_rows_and_heads
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,16 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     """
     value_dim = state_pool.shape[-1]
     if resolve(implementation, "decode", head_dim, value_dim) == "pallas":
-        return partitioned(load_pallas().packed_decode_kda, shard_map_packed_decode, rows="cache_batch")(
-            mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads, head_dim=head_dim,
-            **kwargs)
+        kernel_fn = load_pallas().packed_decode_kda
+        run = partitioned(kernel_fn, shard_map_packed_decode, rows="cache_batch")
+        if run is kernel_fn or kwargs.get("out_norm_eps") is None:
+            return run(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads,
+                       head_dim=head_dim, **kwargs)
+        # Under a mesh the output norm runs after the sharded kernel (its inputs are not sharded with the kernel's).
+        norm = {name: kwargs.pop(name) for name in ("out_gate", "out_norm_scale", "out_norm_eps")}
+        o, pool = run(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads,
+                      head_dim=head_dim, **kwargs)
+        return apply_output_norm(o, **norm), pool
     return packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                        num_heads=num_heads, head_dim=head_dim, **kwargs)
 

@@ -30,6 +30,14 @@ def thresholded_softplus(x: jax.Array) -> jax.Array:
     return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
+def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """The KDA output norm (HF KimiLinearRMSNormGated), float32: x [..., V] * rsqrt(mean(x^2) + eps) * scale [V] *
+    sigmoid(gate [..., V]). Also used inside the Pallas decode kernel."""
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * scale.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
 def kda_gate(g_raw: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
     """Log-decay g = -exp(A_log[h]) * softplus(g_raw + dt_bias), float32.
 

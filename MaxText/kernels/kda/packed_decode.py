@@ -12,7 +12,8 @@ Inputs (one decode token per row; B rows):
   state_pool:   [S, H, K, V]      float32 recurrent states; row `slot_indices[i]` belongs to batch row i
   slot_indices: [B] int32         -1 marks a padding row: its output is zero and no pool row is touched
 Returns o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype) and the pool with the B rows updated (others
-bit-identical).
+bit-identical). With out_gate [B, H*V], out_norm_scale [V] and out_norm_eps, o is the KDA output norm of that o
+(`apply_output_norm`: RMS norm per head times scale times sigmoid(gate), in o's dtype).
 The Pallas kernel (`pallas_ops.packed_decode_kda`) has this exact signature and updates the pool in place.
 
     fn = shard_map_packed_decode(kernel_fn, mesh, row_axes=("data",), head_axes=("tensor",))
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.kernels.kda.common import kda_gate, l2norm
+from MaxText.kernels.kda.common import gated_rms_norm, kda_gate, l2norm
 from MaxText.kernels.kda.naive import kda_step
 from MaxText.kernels.kda.sharded import spec_axes
 
@@ -73,10 +74,18 @@ def split_packed(mixed_qkv, num_heads: int, head_dim: int, value_dim: int):
     return q, k, v
 
 
+def apply_output_norm(o, out_gate, out_norm_scale, out_norm_eps):
+    """o [B, H, V] -> the KDA output norm `common.gated_rms_norm(o, gate, scale, eps)` per head, in o's dtype
+    (out_gate [B, H*V], out_norm_scale [V]): what the kernels' `out_norm_eps` option computes in their launch."""
+    gate = out_gate.reshape(o.shape)
+    return gated_rms_norm(o, gate, out_norm_scale, out_norm_eps).astype(o.dtype)
+
+
 def packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int,
-                                head_dim: int, scale: float | None = None, out_dtype=None):
+                                head_dim: int, scale: float | None = None, out_dtype=None, out_gate=None,
+                                out_norm_scale=None, out_norm_eps=None):
     """Pure-JAX packed decode (see the module docstring); fp32 math on `naive.kda_step`. o is in `out_dtype`
-    (default: mixed_qkv's dtype)."""
+    (default: mixed_qkv's dtype); with out_norm_eps, the output norm of it (`apply_output_norm`)."""
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     H, K, V = num_heads, head_dim, layout.value_dim
     scale = K ** -0.5 if scale is None else scale
@@ -93,6 +102,8 @@ def packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slo
     # Padding rows scatter to an out-of-range index, which mode="drop" discards: the pool row stays untouched.
     target = jnp.where(valid, slots, state_pool.shape[0])
     new_pool = state_pool.at[target].set(new_state, mode="drop")
+    if out_norm_eps is not None:
+        o = apply_output_norm(o, out_gate, out_norm_scale, out_norm_eps)
     return o, new_pool
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.kda.common import L2NORM_EPS, thresholded_softplus
+from MaxText.kernels.kda.common import L2NORM_EPS, gated_rms_norm, thresholded_softplus
 
 
 def token_factors(q, k, g, beta, alog_ref, dtb_ref, head, *, head_k, scale, gate_in_kernel, l2norm_in_kernel,
@@ -72,11 +72,20 @@ def item_ids(columns_fastest: bool):
     return (last, head, first) if columns_fastest else (first, head, last)
 
 
-def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *,
-                   num_heads, head_k, head_v, block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit,
-                   columns_fastest):
+def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref, *refs, num_heads, head_k, head_v,
+                   block_v, scale, gate_in_kernel, l2norm_in_kernel, beta_logit, columns_fastest, out_norm_eps,
+                   interpret):
+    """refs: (o, pool out); with the output norm (out_norm_eps set) (gate, norm scale, [counts in], o, pool out,
+    [raw o, counts]) -- the bracketed ones when a head spans several value blocks."""
     row, head, vblk = item_ids(columns_fastest)
     H, K = num_heads, head_k
+    value_blocks = head_v // block_v
+    if out_norm_eps is None:
+        o_ref, pool_out_ref = refs
+    elif value_blocks == 1:
+        gate_ref, norm_scale_ref, o_ref, pool_out_ref = refs
+    else:
+        gate_ref, norm_scale_ref, _, o_ref, pool_out_ref, raw_ref, counts_ref = refs
     slot = slot_ref[row]
     valid = slot >= 0
     safe = jnp.where(valid, slot, 0)  # a padding row reads pool row 0 and stores nothing
@@ -88,17 +97,41 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
     v = qkv_ref[row, pl.ds(2 * H * K + head * head_v + vblk * block_v, block_v)].astype(jnp.float32)  # [BV]
     state = pool_ref[safe, head, :, cols]
     state, o = delta_rule_step(state, q, k, v, g, beta)  # [K, BV], [BV]
-    o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+    if out_norm_eps is None:
+        o_ref[row, head, cols] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+    elif value_blocks > 1:
+        raw_ref[row, head, cols] = o.astype(raw_ref.dtype)
     pltriton.store(pool_out_ref.at[safe, head, :, cols], state, mask=jnp.broadcast_to(valid, state.shape))
+    if out_norm_eps is None:
+        return
+
+    def normalize(o_head):  # [V] in the output dtype -> the head's gated norm, stored
+        gate = gate_ref[row, pl.ds(head * head_v, head_v)]
+        normed = gated_rms_norm(o_head, gate, norm_scale_ref[...], out_norm_eps)
+        o_ref[row, head, :] = jnp.where(valid, normed, 0.0).astype(o_ref.dtype)
+
+    if value_blocks == 1:
+        normalize(o.astype(o_ref.dtype))
+        return
+    # The head's last value block to finish norms the whole head (its blocks' raw outputs all written: the count is
+    # an atomic read-modify-write, acquire and release at GPU scope, after a CTA barrier over this block's stores).
+    if not interpret:
+        pltriton.debug_barrier()
+    done_before = pltriton.atomic_add(counts_ref, row * H + head, jnp.int32(1))
+    pl.when(done_before == value_blocks - 1)(lambda: normalize(raw_ref[row, head, :]))
 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
-                columns_fastest=False, out_dtype=None, interpret=False):
+                columns_fastest=False, out_dtype=None, out_gate=None, out_norm_scale=None, out_norm_eps=None,
+                interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
     columns_fastest: `item_grid`'s order.
+    out_gate [B, H*V], out_norm_scale [V], out_norm_eps: the output is the KDA output norm
+    `common.gated_rms_norm(o, gate, scale, eps)` of o rounded to its dtype (the head's last value block to finish
+    computes it: one launch, no norm kernel after it).
     Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
     """
     batch = mixed_qkv.shape[0]
@@ -107,23 +140,35 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"value head dim V={V} must be a multiple of block_v={block_v}")
+    o_type = jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype)
+    inputs = [mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool]
+    outputs = [o_type, jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)]
+    aliases = {6: 1}
+    if out_norm_eps is not None:
+        if out_gate is None or out_norm_scale is None:
+            raise ValueError("out_norm_eps needs out_gate [B, H*V] and out_norm_scale [V]")
+        inputs += [out_gate.reshape(batch, H * V), out_norm_scale.reshape(V)]
+        if V > block_v:  # the head's blocks' raw outputs, and a count of its finished blocks
+            inputs.append(jnp.zeros((batch * H,), jnp.int32))
+            outputs += [o_type, jax.ShapeDtypeStruct((batch * H,), jnp.int32)]
+            aliases[len(inputs) - 1] = 3
     kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
                                gate_in_kernel=gate_in_kernel, l2norm_in_kernel=l2norm_in_kernel, beta_logit=beta_logit,
-                               columns_fastest=columns_fastest)
-    return pl.pallas_call(
+                               columns_fastest=columns_fastest, out_norm_eps=out_norm_eps, interpret=interpret)
+    results = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, H, V), mixed_qkv.dtype if out_dtype is None else out_dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)),
+        out_shape=tuple(outputs),
         grid=item_grid(batch, H, V // block_v, columns_fastest),
-        input_output_aliases={6: 1},
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_packed_decode",
-    )(mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool)
+    )(*inputs)
+    return results[0], results[1]
 
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),
                       static_argnames=("num_heads", "head_dim", "scale", "gate_in_kernel", "l2norm_in_kernel",
                                        "beta_logit", "block_v", "num_warps", "columns_fastest",
-                                       "out_dtype", "interpret"))
+                                       "out_dtype", "out_norm_eps", "interpret"))
 decode_step.__doc__ = "`decode_call` under jit, with the state pool (argument 5) donated."

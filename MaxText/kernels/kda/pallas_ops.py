@@ -26,7 +26,7 @@ import numpy as np
 
 from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify, verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
-from MaxText.kernels.kda.packed_decode import check_packed_inputs
+from MaxText.kernels.kda.packed_decode import apply_output_norm, check_packed_inputs
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 
@@ -212,7 +212,8 @@ def _mosaic_decode():
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
                       scale: float | None = None, out_dtype=None, interpret: bool = False, kernel: str | None = None,
-                      block_v: int | None = None, num_warps: int | None = None, columns_fastest: bool | None = None):
+                      block_v: int | None = None, num_warps: int | None = None, columns_fastest: bool | None = None,
+                      out_gate=None, out_norm_scale=None, out_norm_eps: float | None = None):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -222,7 +223,8 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     called under `jax.jit` with `donate_argnums` on it (and by the inner jit): the update happens in the same buffer.
     Reference semantics: `packed_decode.packed_decode_kda_reference`. kernel: 'triton' | 'mosaic' (default
     `decode_kernel`). block_v, num_warps, columns_fastest: the Triton kernel's tile and launch order (default
-    `decode_tile(B)`).
+    `decode_tile(B)`). out_gate [B, H*V], out_norm_scale [V], out_norm_eps: o is the KDA output norm of it
+    (`packed_decode.apply_output_norm`), computed in the Triton kernel's launch (after the Mosaic kernel by XLA).
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
@@ -236,16 +238,20 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
         triton_options = {"block_v": block_v, "num_warps": num_warps, "columns_fastest": columns_fastest}
         if given := [name for name, value in triton_options.items() if value is not None]:
             raise ValueError(f"{', '.join(given)}: options of the Triton decode kernel, not of kernel='mosaic'")
-        return _mosaic_decode().decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                            num_heads=num_heads, head_dim=head_dim, scale=scale,
-                                            out_dtype=out_dtype, interpret=interpret)
+        o, pool = _mosaic_decode().decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
+                                               num_heads=num_heads, head_dim=head_dim, scale=scale,
+                                               out_dtype=out_dtype, interpret=interpret)
+        if out_norm_eps is not None:
+            o = apply_output_norm(o, out_gate, out_norm_scale, out_norm_eps)
+        return o, pool
     default_block_v, default_warps, default_order = decode_tile(batch)
     block_v = min(block_v or default_block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_heads=num_heads, head_dim=head_dim, scale=scale, block_v=block_v,
                                      num_warps=num_warps or default_warps,
                                      columns_fastest=default_order if columns_fastest is None else columns_fastest,
-                                     out_dtype=out_dtype, interpret=interpret)
+                                     out_dtype=out_dtype, out_gate=out_gate, out_norm_scale=out_norm_scale,
+                                     out_norm_eps=out_norm_eps, interpret=interpret)
 
 
 def _recurrent_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
