@@ -427,7 +427,6 @@ def test_packed_decode_out_dtype():
     assert_close(o, o_ref)
 
 
-
 @pytest.mark.parametrize("block_v", [16, 32])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_packed_decode_output_norm_in_the_launch(block_v, dtype):
@@ -457,6 +456,7 @@ def test_packed_decode_output_norm_in_the_launch(block_v, dtype):
     with pytest.raises(ValueError, match="out_norm_eps needs out_gate"):
         pallas_ops.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K, interpret=True,
                                      out_norm_eps=1e-6)
+
 
 def test_packed_decode_and_verify_dispatch_to_plain_jax_off_gpu():
     H, K, V, S = 2, 32, 32, 2
