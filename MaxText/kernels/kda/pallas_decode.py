@@ -5,7 +5,9 @@ l2norm / scale / gate / sigmoid(beta) in registers, loads its [K, BV] slice of t
 `slot_indices[b]`, applies
     S = diag(exp(g)) S;  S += k (beta (v - k^T S))^T;  o = q^T S
 and stores the slice back into the same pool buffer (`input_output_aliases`). A row with slot -1 stores zeros to
-its output and skips the state store (its load reads row 0 and is discarded).
+its output and skips the state store (its load reads row 0 and is discarded). With `out_norm_eps` the launch
+also applies the KDA output norm (`common.gated_rms_norm`): the head's last value block to finish (an atomic count
+per row and head) norms the head's o, so no norm kernel follows (the layer's `kda_decode_out_norm`).
 
 The per-token math (`token_factors`, `delta_rule_step`) is shared with the verify kernel (pallas_verify.py).
 The kernel is memory bound: per row and head it moves K*V*4 bytes in and out. It runs under
