@@ -122,20 +122,19 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     the pool is updated in place when it is donated; otherwise the plain-JAX reference computes the same function.
 
     Under a mesh, rows shard over the axes of 'cache_batch' (not 'batch'): the pool is the decode cache, so the
-    kernel sees exactly the cache's shards and updates them where they lie; heads over 'kda_heads'.
+    kernel sees exactly the cache's shards and updates them where they lie; heads over 'kda_heads'. The output norm
+    (out_gate, out_norm_scale, out_norm_eps) runs in the kernel's launch on one device, by XLA after it under a mesh.
     """
     value_dim = state_pool.shape[-1]
     if resolve(implementation, "decode", head_dim, value_dim) == "pallas":
         kernel_fn = load_pallas().packed_decode_kda
         run = partitioned(kernel_fn, shard_map_packed_decode, rows="cache_batch")
-        if run is kernel_fn or kwargs.get("out_norm_eps") is None:
-            return run(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads,
-                       head_dim=head_dim, **kwargs)
-        # Under a mesh the output norm runs after the sharded kernel (its inputs are not sharded with the kernel's).
-        norm = {name: kwargs.pop(name) for name in ("out_gate", "out_norm_scale", "out_norm_eps")}
+        norm = {}  # the output norm's inputs are not sharded with the kernel's: under a mesh XLA applies it after
+        if run is not kernel_fn and kwargs.get("out_norm_eps") is not None:
+            norm = {name: kwargs.pop(name) for name in ("out_gate", "out_norm_scale", "out_norm_eps")}
         o, pool = run(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads,
                       head_dim=head_dim, **kwargs)
-        return apply_output_norm(o, **norm), pool
+        return (apply_output_norm(o, **norm) if norm else o), pool
     return packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                        num_heads=num_heads, head_dim=head_dim, **kwargs)
 
