@@ -12,6 +12,7 @@ from MaxText import pyconfig
 from MaxText.kernels import grouped_matmul, rms_norm as norms
 from MaxText.kernels.rms_norm import naive, pallas_norm
 from MaxText.layers.models import KimiLinearForCausalLM
+from MaxText.layers import normalizations
 from MaxText.layers.normalizations import RMSNorm
 
 
@@ -151,7 +152,8 @@ def test_rms_norm_layer_adds_the_update(monkeypatch, adds_residual):
 def test_decoder_post_attention_norm_adds_the_mixer_output(monkeypatch, adds_residual):
     """The tiny model decoding one row with the norms' Pallas kernels (interpreted, as on one GPU): with
     norm_adds_residual each layer's post-attention norm adds the mixer's output in its kernel (add_rms_norm), and the
-    logits are the XLA norms' (rounding aside) with the same greedy tokens."""
+    logits are the XLA norms' (rounding aside) with the same greedy tokens. (The input norms run before the mixers:
+    input_norm_after_projections false.)"""
     config = pyconfig.load_config("configs/kimi_linear_tiny.yml", {"dtype": "bfloat16", "norm_kernel": "xla"})
     model = KimiLinearForCausalLM(config)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, config.vocab_size)
@@ -174,10 +176,57 @@ def test_decoder_post_attention_norm_adds_the_mixer_output(monkeypatch, adds_res
     monkeypatch.setattr(pallas_norm, "rms_norm", lambda x, s, e: calls.append("rms_norm") or plain(x, s, e, True))
     monkeypatch.setattr(pallas_norm, "add_rms_norm",
                         lambda x, u, s, e: calls.append("add_rms_norm") or added(x, u, s, e, True))
-    got = decode(KimiLinearForCausalLM(pyconfig.load_config(
-        "configs/kimi_linear_tiny.yml", {"dtype": "bfloat16", "norm_adds_residual": adds_residual})))
+    got = decode(KimiLinearForCausalLM(pyconfig.load_config("configs/kimi_linear_tiny.yml", {
+        "dtype": "bfloat16", "norm_adds_residual": adds_residual, "input_norm_after_projections": False})))
     layers = config.num_decoder_layers  # one trace: input + post-attention norms, the final norm, MLA's kv_a norm
     assert calls.count("add_rms_norm") == (layers if adds_residual else 0)
     assert calls.count("rms_norm") == (layers + 2 if adds_residual else 2 * layers + 2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0.05, atol=0.05)
     np.testing.assert_array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(want), -1))
+
+
+def test_rms_norm_layer_deferred_returns_the_norm_in_two_factors():
+    """RMSNorm(x, deferred=True) returns (scale * x, 1 / rms(x) [..., 1] float32), whose product is the norm; an
+    update with it is an error."""
+    x, _ = _inputs(6, 256, jnp.float32, seed=5)
+    x = x.reshape(2, 3, 256)
+    layer = RMSNorm(pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {"emb_dim": 256, "norm_kernel": "xla"}))
+    params = jax.tree.map(lambda p: p * 1.5 + 0.25, layer.init(jax.random.PRNGKey(0), x))
+    scaled, factor = layer.apply(params, x, deferred=True)
+    assert factor.shape == (2, 3, 1) and factor.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(scaled), np.asarray(x * params["params"]["scale"].value))
+    np.testing.assert_allclose(np.asarray(scaled * factor), np.asarray(layer.apply(params, x)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="deferred=True"):
+        layer.apply(params, x, x, deferred=True)
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_decoder_input_norm_after_projections(monkeypatch, deferred):
+    """The tiny model (float32) decoding two rows: with input_norm_after_projections no layer computes its input norm
+    before the mixer (the norm's kernel runs once per trace for the final norm and MLA's kv_a norms only), and the
+    logits are those of the norm first."""
+    def decode(input_norm_after_projections, steps=3):
+        config = pyconfig.load_config("configs/kimi_linear_tiny.yml", {
+            "dtype": "float32", "input_norm_after_projections": input_norm_after_projections})
+        model = KimiLinearForCausalLM(config)
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, config.vocab_size)
+        params = {"params": model.init(jax.random.PRNGKey(0), tokens, model_mode="train")["params"]}
+        _, variables = model.apply(params, tokens, model_mode="prefill", mutable=["cache"])
+        step_fn = jax.jit(lambda cache, token: model.apply({**params, "cache": cache}, token,
+                                                           model_mode="autoregressive", mutable=["cache"]))
+        cache, token, logits = variables["cache"], tokens[:, -1:], []
+        calls.clear()
+        for _ in range(steps):
+            step, updated = step_fn(cache, token)
+            cache, token = updated["cache"], jnp.argmax(step, -1).astype(jnp.int32)
+            logits.append(step)
+        return jnp.concatenate(logits, axis=1), config
+
+    calls, plain = [], normalizations.rms_norm
+    monkeypatch.setattr(normalizations, "rms_norm", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    want, _ = decode(False)
+    norms_first = len(calls)
+    got, config = decode(deferred)
+    assert config.input_norm_after_projections == deferred
+    assert norms_first - len(calls) == (config.num_decoder_layers if deferred else 0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

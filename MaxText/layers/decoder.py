@@ -1,5 +1,9 @@
 """One Kimi-Linear decoder layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)).
 
+When decoding (model_mode 'autoregressive' or 'verify') with `input_norm_after_projections` the input norm is
+deferred: the mixer projects input_layernorm.scale * x and multiplies each projection by 1 / rms(x)
+(RMSNorm(deferred=True)); speculative verify and one-token decode round alike.
+
 The first residual add is the post-attention norm's (`RMSNorm(x, update=...)`: one kernel with `norm_adds_residual`);
 both adds round as `residual_add` defines.
 
@@ -20,6 +24,7 @@ from MaxText.layers.moe import MoE
 from MaxText.layers.normalizations import RMSNorm
 
 ACTIVATION_AXES = ("batch", "length", "embed")
+DEFERRED_NORM_MODES = ("autoregressive", "verify")  # where input_norm_after_projections applies
 
 
 class DecoderLayer(nn.Module):
@@ -44,8 +49,12 @@ class DecoderLayer(nn.Module):
         else:
             raise ValueError(f"mlp_types[{self.layer_index}]={mlp_kind!r}; expected 'dense' or 'moe'")
 
-        h = RMSNorm(cfg, name="input_layernorm")(x)
-        mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids)
+        # With input_norm_after_projections (decoding) the mixer's projections take scale * x and multiply their
+        # outputs by the norm's 1/rms, so that they do not wait for the norm's reduction.
+        deferred = cfg.input_norm_after_projections and model_mode in DEFERRED_NORM_MODES
+        input_norm = RMSNorm(cfg, name="input_layernorm")
+        h, row_scale = input_norm(x, deferred=True) if deferred else (input_norm(x), None)
+        mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids, input_row_scale=row_scale)
         h, x = RMSNorm(cfg, name="post_attention_layernorm")(x, update=mixed)  # x += mixed, then its norm
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
         x = residual_add(x, mlp(h))

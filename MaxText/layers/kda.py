@@ -38,7 +38,7 @@ import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
 from MaxText.kernels.kda.common import gated_rms_norm
-from MaxText.layers.linears import Dense, dense_together
+from MaxText.layers.linears import Dense, dense_together, scale_rows
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
 # Logical axes of the cache entries (MaxText/sharding.py shards the cache by them): rows over the data axis, the
@@ -166,7 +166,9 @@ class KimiDeltaAttention(nn.Module):
                           jnp.dtype(self.config.weight_dtype))
 
     @nn.compact
-    def __call__(self, x, *, model_mode: str, decoder_segment_ids=None):
+    def __call__(self, x, *, model_mode: str, decoder_segment_ids=None, input_row_scale=None):
+        """`input_row_scale` [B, T, 1] float32 (the input norm deferred: RMSNorm(deferred=True)): each projection of
+        x is multiplied by it, as if x had been multiplied by it first."""
         cfg = self.config
         if model_mode not in MODEL_MODES:
             raise ValueError(f"model_mode={model_mode!r}; the KDA layer supports {MODEL_MODES}")
@@ -179,8 +181,9 @@ class KimiDeltaAttention(nn.Module):
             x = jnp.where((decoder_segment_ids != 0)[..., None], x, jnp.zeros_like(x))
 
         # Projections and the three short convolutions (one fused depthwise conv over q|k|v channels).
-        qkv_pre = jnp.concatenate(dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj")),
-                                  axis=-1)  # [B, T, 3*H*K]
+        qkv_pre = scale_rows(jnp.concatenate(
+            dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj")), axis=-1),
+            input_row_scale)  # [B, T, 3*H*K]
         conv_kernel = jnp.concatenate([ShortConvKernel(width, qkv_dim, jnp.dtype(cfg.weight_dtype), name=name)()
                                        for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
@@ -200,11 +203,13 @@ class KimiDeltaAttention(nn.Module):
 
         # Forget gate input (the gate itself is computed in the kernel), the delta-rule step size's logit, and the
         # output gate's low-rank input (used by `_output`; projected here with f_a, the same shape).
-        f_a, g_a = dense_together(cfg, x, head_dim, ("embed", None), ("f_a_proj", "g_a_proj"))  # [B, T, K] each
+        f_a, g_a = (scale_rows(y, input_row_scale)
+                    for y in dense_together(cfg, x, head_dim, ("embed", None), ("f_a_proj", "g_a_proj")))  # [B, T, K]
         g_raw = self._dense(qkv_dim, (None, "kda_qkv"), "f_b_proj")(f_a)  # [B, T, H*K]
         A_log = self._param("A_log", a_log_init, (num_heads,), ("kda_heads",))
         dt_bias = self._param("dt_bias", dt_bias_init, (qkv_dim,), ("kda_qkv",))
-        beta_logit = self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x)  # [B, T, H]
+        beta_logit = scale_rows(self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x),
+                                input_row_scale)  # [B, T, H]
 
         if (model_mode == "autoregressive" and seq_len == 1
                 and kda_kernels.resolve(cfg.kda_kernel, "decode", head_dim, head_dim) == "pallas"):

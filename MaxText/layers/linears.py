@@ -82,6 +82,13 @@ def project(config: ml_collections.FrozenConfigDict, x: jax.Array, kernel):
                         pad_rows=config.dense_pad_rows)
 
 
+def scale_rows(y: jax.Array, row_scale: jax.Array | None) -> jax.Array:
+    """y [..., N] times row_scale [..., 1] (float32, e.g. a deferred norm's inverse_rms) in y's dtype; y when None."""
+    if row_scale is None:
+        return y
+    return (y.astype(jnp.float32) * row_scale).astype(y.dtype)
+
+
 def project_together(config: ml_collections.FrozenConfigDict, x: jax.Array, kernels) -> tuple[jax.Array, ...]:
     """x @ each of several same-shape kernels: with `config.fused_projections` one `dense_matmul` call for all (the
     Pallas kernel: one launch), else one call each."""

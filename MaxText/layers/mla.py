@@ -34,7 +34,7 @@ import ml_collections
 
 from MaxText.kernels import mla as mla_kernels
 from MaxText.kernels.mla.naive import masked_softmax, visible_keys
-from MaxText.layers.linears import Dense, DenseKernel, matmul_precision
+from MaxText.layers.linears import Dense, DenseKernel, matmul_precision, scale_rows
 from MaxText.layers.normalizations import RMSNorm
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
@@ -73,7 +73,10 @@ class MultiHeadLatentAttention(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, model_mode: str, decoder_segment_ids: jax.Array | None = None,
+                 input_row_scale: jax.Array | None = None) -> jax.Array:
+        """`input_row_scale` [B, T, 1] float32 (the input norm deferred: RMSNorm(deferred=True)): each projection of
+        x is multiplied by it, as if x had been multiplied by it first."""
         cfg = self.config
         if model_mode not in MODEL_MODES:
             raise ValueError(f"model_mode={model_mode!r}; the MLA layer supports {MODEL_MODES}")
@@ -84,16 +87,18 @@ class MultiHeadLatentAttention(nn.Module):
 
         # Queries.
         if cfg.q_lora_rank:
-            q_a = Dense(cfg, cfg.q_lora_rank, ("embed", None), name="q_a_proj")(x)
+            q_a = scale_rows(Dense(cfg, cfg.q_lora_rank, ("embed", None), name="q_a_proj")(x), input_row_scale)
             q_a = RMSNorm(cfg, LATENT_NORM_EPSILON, None, name="q_a_layernorm")(q_a)
             q = Dense(cfg, num_heads * (nope + rope), (None, "mla_heads"), name="q_b_proj")(q_a)
         else:
-            q = Dense(cfg, num_heads * (nope + rope), ("embed", "mla_heads"), name="q_proj")(x)
+            q = scale_rows(Dense(cfg, num_heads * (nope + rope), ("embed", "mla_heads"), name="q_proj")(x),
+                           input_row_scale)
         q = nn.with_logical_constraint(q.reshape(batch, seq_len, num_heads, nope + rope), HEAD_ACTIVATION_AXES)
         q_nope, q_rope = q[..., :nope], q[..., nope:]  # [B, T, H, nope], [B, T, H, rope]
 
         # The compressed latent of the new tokens: (normalized c, k_rot).
-        kv_a = Dense(cfg, rank + rope, ("embed", "mla_latent"), name="kv_a_proj_with_mqa")(x)  # [B, T, R + rope]
+        kv_a = scale_rows(Dense(cfg, rank + rope, ("embed", "mla_latent"), name="kv_a_proj_with_mqa")(x),
+                          input_row_scale)  # [B, T, R + rope]
         c = RMSNorm(cfg, LATENT_NORM_EPSILON, None, name="kv_a_layernorm")(kv_a[..., :rank])
         latent = jnp.concatenate([c, kv_a[..., rank:]], axis=-1)  # [B, T, R + rope]
         new_valid = (jnp.ones((batch, seq_len), jnp.bool_) if decoder_segment_ids is None

@@ -6,11 +6,16 @@ import jax
 import jax.numpy as jnp
 
 
+def inverse_rms(x: jax.Array, epsilon: float) -> jax.Array:
+    """x [..., D] -> 1 / sqrt(mean(x^2) + epsilon) [..., 1] in float32: the factor that normalizes each row."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
     """x [..., D], scale [D] -> scale * (x / sqrt(mean(x^2) + epsilon)) [..., D] in x's dtype: normalized in float32,
     cast to x's dtype, then times scale cast to x's dtype (HF semantics)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+    normed = x.astype(jnp.float32) * inverse_rms(x, epsilon)
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
