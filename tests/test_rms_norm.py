@@ -11,8 +11,8 @@ import pytest
 from MaxText import pyconfig
 from MaxText.kernels import grouped_matmul, rms_norm as norms
 from MaxText.kernels.rms_norm import naive, pallas_norm
-from MaxText.layers.models import KimiLinearForCausalLM
-from MaxText.layers import normalizations
+from MaxText.layers import kda, normalizations
+from MaxText.layers.models import KimiLinearForCausalLM, init_cache
 from MaxText.layers.normalizations import RMSNorm
 
 
@@ -200,33 +200,39 @@ def test_rms_norm_layer_deferred_returns_the_norm_in_two_factors():
         layer.apply(params, x, x, deferred=True)
 
 
+@pytest.mark.parametrize("model_mode", ["autoregressive", "verify"])
 @pytest.mark.parametrize("deferred", [True, False])
-def test_decoder_input_norm_after_projections(monkeypatch, deferred):
-    """The tiny model (float32) decoding two rows: with input_norm_after_projections no layer computes its input norm
-    before the mixer (the norm's kernel runs once per trace for the final norm and MLA's kv_a norms only), and the
-    logits are those of the norm first."""
-    def decode(input_norm_after_projections, steps=3):
+def test_decoder_input_norm_after_projections(monkeypatch, deferred, model_mode):
+    """The tiny model (float32), two rows, decoding three steps or verifying three draft tokens: with
+    input_norm_after_projections no layer computes its input norm before the mixer (the norm's kernel runs only for
+    the final norm and MLA's kv_a norms), and the logits are those of the norm first."""
+    def logits(input_norm_after_projections):
         config = pyconfig.load_config("configs/kimi_linear_tiny.yml", {
             "dtype": "float32", "input_norm_after_projections": input_norm_after_projections})
         model = KimiLinearForCausalLM(config)
         tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, config.vocab_size)
         params = {"params": model.init(jax.random.PRNGKey(0), tokens, model_mode="train")["params"]}
+        if model_mode == "verify":  # drafts scored from an empty cache with a state ring
+            calls.clear()
+            out, _ = model.apply({**params, "cache": init_cache(config, 2, kda.verify_state_slots(3))}, tokens[:, :3],
+                                 model_mode="verify", mutable=["cache"])
+            return out, config
         _, variables = model.apply(params, tokens, model_mode="prefill", mutable=["cache"])
         step_fn = jax.jit(lambda cache, token: model.apply({**params, "cache": cache}, token,
                                                            model_mode="autoregressive", mutable=["cache"]))
-        cache, token, logits = variables["cache"], tokens[:, -1:], []
+        cache, token, steps = variables["cache"], tokens[:, -1:], []
         calls.clear()
-        for _ in range(steps):
+        for _ in range(3):
             step, updated = step_fn(cache, token)
             cache, token = updated["cache"], jnp.argmax(step, -1).astype(jnp.int32)
-            logits.append(step)
-        return jnp.concatenate(logits, axis=1), config
+            steps.append(step)
+        return jnp.concatenate(steps, axis=1), config
 
     calls, plain = [], normalizations.rms_norm
     monkeypatch.setattr(normalizations, "rms_norm", lambda *a, **k: calls.append(1) or plain(*a, **k))
-    want, _ = decode(False)
+    want, _ = logits(False)
     norms_first = len(calls)
-    got, config = decode(deferred)
+    got, config = logits(deferred)
     assert config.input_norm_after_projections == deferred
     assert norms_first - len(calls) == (config.num_decoder_layers if deferred else 0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
