@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.kernels.rms_norm.naive import inverse_rms
+
 HIGHEST = jax.lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
@@ -33,8 +35,7 @@ def thresholded_softplus(x: jax.Array) -> jax.Array:
 def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """The KDA output norm (HF KimiLinearRMSNormGated), float32: x [..., V] * rsqrt(mean(x^2) + eps) * scale [V] *
     sigmoid(gate [..., V]). Also used inside the Pallas decode kernel."""
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    x = x.astype(jnp.float32) * inverse_rms(x, eps)
     return x * scale.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
 
 
