@@ -212,10 +212,11 @@ def test_packed_decode_interpret_matches_reference_and_keeps_padding_rows(column
     assert np.array_equal(np.asarray(our_pool)[untouched], pool0[untouched]), "padding rows touched the pool"
 
 
-@pytest.mark.parametrize("batch, grid", [(8, (8, 2, 4)), (32, (2, 2, 32))])
+@pytest.mark.parametrize("batch, grid", [(2, (2, 2, 4)), (8, (8, 2, 1)), (32, (2, 2, 32))])
 def test_packed_decode_default_tile_by_batch(batch, grid):
-    """decode_tile: 32 value columns a program, rows fastest, below 32 rows; from 32 rows 64 columns launched with a
-    head's value blocks side by side (grid (value blocks, heads, rows))."""
+    """decode_tile: 32 value columns a program, rows fastest, below 4 rows; a head's 128 columns in one program from
+    4 rows; from 32 rows 64 columns launched with a head's value blocks side by side (grid (value blocks, heads,
+    rows))."""
     H, K, V, S = 2, 32, 128, batch
     x = _decode_inputs(np.random.default_rng(5), batch, H, K, V, S)
     slots = jnp.arange(batch, dtype=jnp.int32)
