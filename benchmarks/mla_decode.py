@@ -9,8 +9,9 @@ is timed as a jitted chain of `--chain` dependent calls (the next call's queries
 calls cannot overlap; µs-scale work timed inside one program, the combine of the kernel's runs included), median
 of blocks issued back to back (benchmarks/kda_kernels.time_jax); time per call = chain time / chain. Both results
 are checked against the oracle at float32 inputs and HIGHEST precision (max abs error; bf16 bound `--tolerance`).
---sweep times the kernel at other block sizes, runs, warps and stages too. Prints a table, writes mla_decode.json
-to --out (default $OUT or .). On CPU the kernel runs under the Pallas interpreter (a smoke run: `--smoke`).
+--sweep times the kernel at other block sizes, runs, warps, stages and query rows per program too. Prints a table,
+writes mla_decode.json to --out (default $OUT or .). On CPU the kernel runs under the Pallas interpreter (a smoke
+run: `--smoke`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def kernel_settings(sweep: bool, batch: int, cache: int):
         runs = max(1, int(pallas_decode.default_runs(batch, -(-cache // block_s)) * scale_runs))
         settings.append((f"pallas block_s {block_s} runs {runs} warps {warps} stages {stages}",
                          {"block_s": block_s, "runs": runs, "num_warps": warps, "num_stages": stages}))
+    for block_s, scale_runs, warps in itertools.product((16, 32), (1, 2), (2, 4)):  # 16 query rows per program
+        runs = max(1, int(pallas_decode.default_runs(batch, -(-cache // block_s)) * scale_runs))
+        settings.append((f"pallas block_h 16 block_s {block_s} runs {runs} warps {warps}",
+                         {"block_h": 16, "block_s": block_s, "runs": runs, "num_warps": warps}))
     return settings
 
 

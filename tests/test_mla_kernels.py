@@ -1,6 +1,8 @@
 """MLA decode kernels (MaxText/kernels/mla): the Pallas latent attention (interpret mode) against the plain-JAX
 oracle, its limits, the dispatcher, and the MLA layer wired to it."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,20 @@ def test_pallas_latent_attention_matches_the_oracle(dtype, tol, batch, tokens, h
     assert got.shape == want.shape and got.dtype == dtype
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.abs(got - want).max() <= tol * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_pallas_latent_attention_rows_split_over_programs():
+    """block_h: the query rows in groups of 16 over programs (each run's blocks read by every group) give the same
+    result as all rows in one program; 24 rows padded to 32, two groups."""
+    args = _problem(2, 3, 8, 32, 16, 150, jnp.float32)
+    whole = pallas_decode.latent_attention(*args, scale=0.2, block_s=16, runs=3, interpret=True)
+    split = pallas_decode.latent_attention(*args, scale=0.2, block_s=16, runs=3, block_h=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    jaxpr = str(jax.make_jaxpr(functools.partial(pallas_decode.latent_attention, scale=0.2, block_s=16, runs=3,
+                                                 block_h=16, interpret=True))(*args))
+    assert "grid=(2, 2, 3)" in jaxpr  # (row groups, batch rows, runs)
+    with pytest.raises(ValueError, match="block_h=8 must be a power of two >= 16"):
+        pallas_decode.latent_attention(*args, scale=0.2, block_h=8, interpret=True)
 
 
 def test_pallas_latent_attention_edge_rows():

@@ -5,7 +5,7 @@
 
 The same math as naive.latent_attention. The cache is cut into runs of `blocks_per_run` blocks of `block_s`
 positions; one program per (batch row, run) holds all T * H query rows (every head reads the same latent
-keys: the cache is read once per row, not once per head), streams its blocks with an online softmax (scores and
+keys: the cache is read once per row, not once per head; `block_h` splits the rows over several programs), streams its blocks with an online softmax (scores and
 accumulator in float32, the probabilities multiplied by the keys in the inputs' dtype on the tensor cores) and writes
 its running max, sum and accumulator; a second kernel combines the runs (one program per query row and block of
 128 latent columns). A run stops at the last query position (later blocks
@@ -72,10 +72,11 @@ def default_runs(batch: int, num_blocks: int) -> int:
 
 
 def _decode_kernel(qpos_ref, valid_ref, q_ref, q_rope_ref, keys_ref, max_ref, sum_ref, acc_ref, *, rank, rope,
-                   block_s, blocks_per_run, num_keys, scale, precise, interpret):
-    row, run = pl.program_id(0), pl.program_id(1)
-    q, q_rope = q_ref[row], q_rope_ref[row]  # [M, R], [M, P]
-    qpos = qpos_ref[row]  # [M]: each query row's position (-1: a padding row, sees nothing)
+                   block_s, blocks_per_run, block_h, num_keys, scale, precise, interpret):
+    group, row, run = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(group * block_h, block_h)  # this program's query rows
+    q, q_rope = q_ref[row, rows], q_rope_ref[row, rows]  # [M, R], [M, P]
+    qpos = qpos_ref[row, rows]  # [M]: each query row's position (-1: a padding row, sees nothing)
     first = run * blocks_per_run * block_s
     # This run's blocks that start at or before the last query position (a cache past it is never read).
     blocks = jnp.clip((jnp.max(qpos) - first) // block_s + 1, 0, blocks_per_run)
@@ -104,9 +105,9 @@ def _decode_kernel(qpos_ref, valid_ref, q_ref, q_rope_ref, keys_ref, max_ref, su
     init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32),
             jnp.zeros((num_rows, rank), jnp.float32))
     running_max, running_sum, acc = lax.fori_loop(0, blocks, body, init)
-    max_ref[row, run] = running_max
-    sum_ref[row, run] = running_sum
-    acc_ref[row, run] = acc
+    max_ref[row, run, rows] = running_max
+    sum_ref[row, run, rows] = running_sum
+    acc_ref[row, run, rows] = acc
 
 
 def _combine_kernel(max_ref, sum_ref, acc_ref, out_ref, *, runs, stored_runs, block_r):
@@ -140,10 +141,12 @@ def combine_runs(run_max, run_sum, run_acc, runs: int, dtype, *, block_r: int = 
 
 
 def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scale: float, block_s: int | None = None,
-                     runs: int | None = None, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     interpret: bool = False):
+                     runs: int | None = None, block_h: int | None = None, num_warps: int = NUM_WARPS,
+                     num_stages: int = NUM_STAGES, interpret: bool = False):
     """See the module docstring. block_s: cache positions per block, a power of two in [MMA_ROWS, S] (None:
-    `default_block`); runs: runs per batch row (None: `default_runs`)."""
+    `default_block`); runs: runs per batch row (None: `default_runs`); block_h: query rows per program, a power of
+    two >= MMA_ROWS (None: all T * H rows of a batch row; fewer make more programs, each run's blocks then read by
+    every group of rows, side by side in the launch order)."""
     batch, num_tokens, num_heads, rank = q_latent.shape
     num_keys = keys.shape[1]
     rope = keys.shape[2] - rank
@@ -166,20 +169,23 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     # The T * H query rows of a batch row together, padded to a power of two >= MMA_ROWS (padding rows see nothing).
     num_rows = num_tokens * num_heads
     padded = max(MMA_ROWS, 1 << (num_rows - 1).bit_length())
+    block_h = padded if block_h is None else min(block_h, padded)
+    if block_h < MMA_ROWS or not _power_of_two(block_h):
+        raise ValueError(f"block_h={block_h} must be a power of two >= {MMA_ROWS}")
     pad = ((0, 0), (0, padded - num_rows), (0, 0))
     q = jnp.pad(q_latent.reshape(batch, num_rows, rank), pad)  # [B, M, R]
     qr = jnp.pad(q_rope.astype(q_latent.dtype).reshape(batch, num_rows, rope), pad)  # [B, M, P]
     qpos = jnp.pad(jnp.repeat(query_positions.astype(jnp.int32), num_heads, axis=1), pad[:2],
                    constant_values=-1)  # [B, M]
     kernel = functools.partial(_decode_kernel, rank=rank, rope=rope, block_s=block_s, blocks_per_run=blocks_per_run,
-                               num_keys=num_keys, scale=scale, precise=q_latent.dtype == jnp.float32,
+                               block_h=block_h, num_keys=num_keys, scale=scale, precise=q_latent.dtype == jnp.float32,
                                interpret=interpret)
     stored_runs = 1 << (runs - 1).bit_length()  # a power of two (Triton's block shapes) for the combine's loads
     state = jax.ShapeDtypeStruct((batch, stored_runs, padded), jnp.float32)
     run_max, run_sum, run_acc = pl.pallas_call(
         kernel,
         out_shape=(state, state, jax.ShapeDtypeStruct((batch, stored_runs, padded, rank), jnp.float32)),
-        grid=(batch, runs),
+        grid=(padded // block_h, batch, runs),  # a run's row groups first: side by side, its blocks read once
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_latent_decode",
