@@ -3,14 +3,14 @@
     out_latent [B, T, H, R] = latent_attention(q_latent [B, T, H, R], q_rope [B, T, H, P], keys [B, S, R + P],
                                                query_positions [B, T], key_valid [B, S], scale=...)
 
-The same math as naive.latent_attention. The cache is cut into runs of `blocks_per_run` blocks of `block_s`
-positions; one program per (batch row, run) holds all T * H query rows (every head reads the same latent
-keys: the cache is read once per row, not once per head; `block_h` splits the rows over several programs), streams its blocks with an online softmax (scores and
-accumulator in float32, the probabilities multiplied by the keys in the inputs' dtype on the tensor cores) and writes
-its running max, sum and accumulator; a second kernel combines the runs (one program per query row and block of
-128 latent columns). A run stops at the last query position (later blocks
-are never read). The cache length S need not be a multiple of `block_s`: the last block is read from S - block_s
-and its positions before the block's own start are masked.
+The same math as naive.latent_attention. The cache is cut into runs of `blocks_per_run` blocks of `block_s` positions;
+one program per (batch row, run) holds all T * H query rows (every head reads the same latent keys: the cache is read
+once per row, not once per head; `block_h` splits the rows over several programs), streams its blocks with an online
+softmax (scores and accumulator in float32, the probabilities multiplied by the keys in the inputs' dtype on the tensor
+cores) and writes its running max, sum and accumulator; a second kernel combines the runs (one program per query row and
+block of 128 latent columns). A run stops at the last query position (later blocks are never read). The cache length S
+need not be a multiple of `block_s`: the last block is read from S - block_s and its positions before the block's own
+start are masked.
 
 The XLA version (naive.py) is ~12 kernels per MLA layer at decode (two score products, slices and a pad of the
 cache, masked max / sum reductions, the probabilities' product in split pieces and their sum); this is two.
@@ -178,14 +178,14 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     qpos = jnp.pad(jnp.repeat(query_positions.astype(jnp.int32), num_heads, axis=1), pad[:2],
                    constant_values=-1)  # [B, M]
     kernel = functools.partial(_decode_kernel, rank=rank, rope=rope, block_s=block_s, blocks_per_run=blocks_per_run,
-                               block_h=block_h, num_keys=num_keys, scale=scale, precise=q_latent.dtype == jnp.float32,
-                               interpret=interpret)
+                               block_h=block_h, num_keys=num_keys, scale=scale,
+                               precise=q_latent.dtype == jnp.float32, interpret=interpret)
     stored_runs = 1 << (runs - 1).bit_length()  # a power of two (Triton's block shapes) for the combine's loads
     state = jax.ShapeDtypeStruct((batch, stored_runs, padded), jnp.float32)
     run_max, run_sum, run_acc = pl.pallas_call(
         kernel,
         out_shape=(state, state, jax.ShapeDtypeStruct((batch, stored_runs, padded, rank), jnp.float32)),
-        grid=(padded // block_h, batch, runs),  # a run's row groups first: side by side, its blocks read once
+        grid=(padded // block_h, batch, runs),  # row groups fastest: a run's groups launch side by side
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_latent_decode",
