@@ -269,8 +269,8 @@ def _recurrent_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_
     batch, _, H, K = q.shape
     V = v.shape[-1]
     _check_dims(K, V)
-    if block_v is None:  # as for decode: narrow blocks (more programs) for few rows
-        block_v = 32 if batch < 32 else 64
+    if block_v is None:  # narrow blocks (more programs) for few rows: decode_tile's rule before its 128-column tile
+        block_v = 32 if batch < 32 else 64  # for 4-31 rows (verify's kernel not timed with that tile)
     A_log = jnp.zeros((H,), jnp.float32) if A_log is None else A_log
     dt_bias = jnp.zeros((H * K,), jnp.float32) if dt_bias is None else dt_bias
     options = dict(scale=K ** -0.5 if scale is None else float(scale), gate_in_kernel=use_gate_in_kernel,
