@@ -8,8 +8,9 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
 Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
-the launch order (`columns_fastest`), and `state_traffic_probe`: the decode kernel's state loads and stores alone,
-the tiling's ceiling):
+the launch order (`columns_fastest`), two tiles again with the KDA output norm in the launch (`_norm`, the model's
+path), each variant's one-step o checked against the reference; and `state_traffic_probe`: the decode kernel's
+state loads and stores alone, the tiling's ceiling):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -55,6 +56,12 @@ DECODE_STEPS = 64
 SCORES_VARIANTS = tuple(dict(programs=p, num_warps=1, block_k=bk, num_stages=stages) for p, bk, stages in (
     ("halves", 16, 1), ("halves", 16, 3), ("halves", 16, 4), ("halves", 32, 3), ("chunk", 16, 3), ("chunk", 16, 4)))
 DECODE_BLOCK_V, DECODE_WARPS = None, None  # defaults of pallas_ops.packed_decode_kda: by batch (decode_tile)
+# --sweep's Triton decode tiles (block_v, num_warps, columns_fastest), and those also timed with the KDA output norm
+# in the launch (the model's path): decode_tile's 32 columns (1-3 rows; 4-31 rows before the twenty-seventh session)
+# and a head's 128 (4-31 rows)
+SWEEP_DECODE_TILES = ((64, 2, False), (64, 2, True), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True),
+                      (32, 4, True), (32, 4, False))
+SWEEP_NORM_TILES = ((32, 4, False), (128, 4, False))
 
 
 def scores_variant_name(programs: str, num_warps: int, block_k: int, num_stages: int) -> str:
@@ -317,6 +324,33 @@ def ncu_decode(B):
     log(f"  ncu: ran decode B={B}: ours twice, then fla three times")
 
 
+def tile_name(block_v, num_warps, columns_fastest):
+    return f"pallas_bv{block_v}_w{num_warps}" + ("_cols" if columns_fastest else "")
+
+
+def tile_options(block_v, num_warps, columns_fastest):
+    return dict(kernel="triton", block_v=block_v, num_warps=num_warps, columns_fastest=columns_fastest)
+
+
+def decode_out_norm_inputs(B):
+    """The KDA output norm's inputs at batch B (packed_decode_kda's out_gate, out_norm_scale, out_norm_eps)."""
+    rng = np.random.default_rng(B)
+    return dict(out_gate=jnp.asarray(rng.standard_normal((B, H * V)), jnp.bfloat16),
+                out_norm_scale=jnp.asarray(1.0 + 0.3 * rng.standard_normal(V), jnp.float32), out_norm_eps=1e-5)
+
+
+def decode_step_error(B, options):
+    """Max abs difference of one decode step's o (packed_decode_kda with `options`, from decode_problem(B)'s pool)
+    from the reference's on the same inputs (the output norm too where `options` has it)."""
+    inputs, slots, initial_pool = decode_problem(B)
+    norm = {key: options[key] for key in ("out_gate", "out_norm_scale", "out_norm_eps") if key in options}
+    o, _ = jax.jit(lambda *x: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **options))(
+        *inputs, initial_pool(), slots)
+    o_ref, _ = packed_decode.packed_decode_kda_reference(*inputs, initial_pool(), slots, num_heads=H, head_dim=K,
+                                                         **norm)
+    return float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
+
+
 def bench_decode(B, args, results, copy_bw):
     import torch
     (mixed, a, b, A_log, dt_bias), slots, initial_pool = decode_problem(B)
@@ -337,10 +371,12 @@ def bench_decode(B, args, results, copy_bw):
     if row["kernel"] != "triton":  # the Triton kernel's time beside the chosen one's
         variants["pallas_triton"] = dict(kernel="triton")
     if args.sweep:  # Triton tiles: block_v, warps; cols: a head's value blocks launched side by side
-        variants = {f"pallas_bv{bv}_w{nw}" + ("_cols" if cols else ""): dict(kernel="triton", block_v=bv,
-                                                                            num_warps=nw, columns_fastest=cols)
-                    for bv, nw, cols in ((64, 2, False), (64, 2, True), (64, 4, True), (128, 4, False),
-                                         (128, 4, True), (128, 8, True), (32, 4, True))}
+        variants = {tile_name(*tile): tile_options(*tile) for tile in SWEEP_DECODE_TILES}
+        norm = decode_out_norm_inputs(B)  # the model's path: the KDA output norm in the decode launch
+        variants.update({tile_name(*tile) + "_norm": dict(tile_options(*tile), **norm)
+                         for tile in SWEEP_NORM_TILES})
+    for name, options in variants.items():  # every variant's one-step o against the reference's
+        row[f"{name}_err_o"] = decode_step_error(B, options)
     impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)
@@ -358,8 +394,9 @@ def bench_decode(B, args, results, copy_bw):
             return acc
         row[f"{name}_s"] = time_jax(lambda: call(), target_s=0.03) / DECODE_STEPS
         row[f"{name}_state_bw"] = state_bytes / row[f"{name}_s"]
+        checked = f", o max abs err vs reference {row[f'{name}_err_o']:.1e}" if f"{name}_err_o" in row else ""
         log(f"  decode B={B} {name}: {row[f'{name}_s'] * 1e6:.2f} us/step, state traffic "
-            f"{row[f'{name}_state_bw'] / 1e12:.2f} TB/s ({row[f'{name}_state_bw'] / copy_bw:.0%} of copy)")
+            f"{row[f'{name}_state_bw'] / 1e12:.2f} TB/s ({row[f'{name}_state_bw'] / copy_bw:.0%} of copy){checked}")
 
     pool_t, fla_step = fla_decode_step(mixed, a, b, A_log, dt_bias, initial_pool(), slots)
     with torch.no_grad():

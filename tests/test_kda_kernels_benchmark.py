@@ -1,9 +1,11 @@
-"""benchmarks/kda_kernels.py's CPU-checkable parts: the decode state-traffic probe (Pallas interpret mode)."""
+"""benchmarks/kda_kernels.py's CPU-checkable parts: the decode state-traffic probe and the sweep's one-step check
+of each decode tile (Pallas interpret mode, small heads)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import kda_kernels
 from benchmarks.kda_kernels import state_traffic_probe
 
 
@@ -19,3 +21,18 @@ def test_state_traffic_probe_halves_the_slots_rows_only(columns_fastest):
     want = pool.copy()
     want[slots] *= 0.5
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_decode_step_error_checks_the_tile_against_the_reference(monkeypatch, with_norm):
+    """--sweep's per-variant check: a tile's one-step o is near the reference's, with the output norm in the launch
+    compared against the normed reference (an unnormed reference would differ by O(1)); a wrong scale is caught."""
+    monkeypatch.setattr(kda_kernels, "H", 2)
+    monkeypatch.setattr(kda_kernels, "K", 32)
+    monkeypatch.setattr(kda_kernels, "V", 32)
+    batch = 3
+    options = dict(kda_kernels.tile_options(16, 1, False), interpret=True, out_dtype=jnp.float32)
+    if with_norm:
+        options.update(kda_kernels.decode_out_norm_inputs(batch))
+    assert kda_kernels.decode_step_error(batch, options) < 1e-2
+    assert kda_kernels.decode_step_error(batch, dict(options, scale=1.0)) > 1e-2

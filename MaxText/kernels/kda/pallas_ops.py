@@ -185,9 +185,10 @@ def decode_tile(batch: int) -> tuple[int, int, bool]:
     32, K = V = 128, the output norm in the launch; benchmarks/RESULTS.md): 32 value columns at 4 warps for 1-3 rows
     (more programs; B = 1 / 2: 3.77 / 4.59 us per step vs 4.78 / 4.78 with 128); a head's 128 columns in one program
     from 4 rows (B = 4 / 8 / 16 / 24: 5.95 / 8.66 / 15.88 / 31.64 us vs 6.26 / 11.20 / 17.19 / 34.82 with 32;
-    twenty-seventh session); from 32 rows 64 columns at 4 warps, launched with a head's value blocks side by side
-    (`columns_fastest`; B = 64 / 128 / 256: 79.8 / 155.0 / 301.4 us per step vs 80.5 / 156.8 / 305.6 at 2 warps and
-    82.4 / 161.6 / 315.6 at 2 warps rows first, one run)."""
+    twenty-seventh session; again in `benchmarks/kda_kernels.py --sweep`'s `_norm` rows, twenty-eighth); from 32
+    rows 64 columns at 4 warps, launched with a head's value blocks side by side (`columns_fastest`; B = 64 / 128 /
+    256: 79.8 / 155.0 / 301.4 us per step vs 80.5 / 156.8 / 305.6 at 2 warps and 82.4 / 161.6 / 315.6 at 2 warps
+    rows first, one run)."""
     if batch < 4:
         return 32, 4, False
     return (128, 4, False) if batch < 32 else (64, 4, True)
