@@ -42,15 +42,16 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            of --synced-steps steps each waited for (adds dispatch).
            The step also adds up the distinct experts each MoE layer's router chose (captured Router outputs),
            and the roofline uses their mean over the timed steps. (Engine's decode runs all steps in one
-           while_loop, which gives neither a per-step time nor a one-step profile; this step is Engine's step_fn
-           as a program of its own.)
+           while_loop, which gives no per-step time; this step is Engine's step_fn as a program of its own.)
   profile  --profile-steps decode steps under jax.profiler for every decode setting; the trace's device kernels
            summed by HLO op, and by model component (kda/q_proj, moe/experts, ...) through the compiled HLO's
            op_name metadata; printed as the top --top ops with their share of the step time, and the time
            covered by at least one kernel (their union: less than their sum where kernels run side by side; XLA
            runs no CUDA graphs under the profiler unless XLA_FLAGS has
            --xla_enable_command_buffers_during_profiling=true), each op's share of it (`shared_time`), and the
-           host's time per step in the step's call and in its CUDA graph launches (`host_event_times`).
+           host's time per step in the step's call and in its CUDA graph launches (`host_event_times`). With
+           the engine stage, also one more `Engine.generate` call per Engine and batch, its decode loop traced
+           (`profile_dir`) and broken down per step by kernel (`profile_engine`).
   engine   per batch B, what a user of the Engine gets: `Engine.generate` (its prefill, then ONE program whose
            while_loop runs every decode step on the device: no host dispatch per step) on the same params, B
            prompts of --engine-prompt-len tokens (the Engine prefills a prompt in one program: a short one),
@@ -69,6 +70,7 @@ device: a mesh of N devices is assumed to split the bytes N ways). Prints a tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import itertools
@@ -848,47 +850,86 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     return row
 
 
-def profile_decode(step, params, cache, tokens, counts, args, config, step_seconds: float, per_call: int,
-                   tag: str) -> dict:
-    """Traces --profile-steps decode steps (rounded up to calls of `per_call` steps) and returns the per-step
-    breakdown (or {'error': why} when parsing fails)."""
-    calls = -(-args.profile_steps // per_call)
+@contextlib.contextmanager
+def trace_folder(args, tag: str):
+    """The folder a profile of setting `tag` is traced into: under --trace-dir (kept), else a temporary one."""
     trace_dir = os.path.join(args.trace_dir, tag) if args.trace_dir else tempfile.mkdtemp(prefix="model_decode_")
     try:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                cache, tokens, counts = step(params, cache, tokens, counts)
-            jax.block_until_ready((tokens, counts, cache))
-        trace = read_trace(trace_dir)
-        op_times = device_op_times(trace, DECODE_MODULE, jax.default_backend() != "cpu")
-        if not op_times.nanoseconds:
-            raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")
-        breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, calls * per_call,
-                                      step_seconds, args.top)
-        breakdown["host"] = host_event_times(trace, calls * per_call)
-        log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
-            f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step; host: the step's call "
-            f"{breakdown['host']['step_call_ms']:.3f}, CUDA graph launches {breakdown['host']['graph_launch_ms']:.3f} "
-            f"ms per step ({breakdown['source']})")
-        if any(op["op"].startswith("command_buffer") for op in breakdown["top_ops"]):
-            breakdown["note"] = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one "
-                                 "op each: rerun with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
-                                 "(the graphs' kernels, side by side) or --xla_gpu_enable_command_buffer= (no graphs; "
-                                 "the TPOT of that run is then without them)")
-            log(f"profile {tag}: {breakdown['note']}")
-        return breakdown
-    except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
-        traceback.print_exc()
-        log(f"profile {tag}: FAILED to trace or parse the profile ({type(e).__name__}: {e}); no breakdown")
-        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        yield trace_dir
     finally:
         if not args.trace_dir:
             shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, decode_rows: Sequence[dict]) -> dict:
+def profile_failed(tag: str, error: Exception) -> dict:
+    """A profile that could not be traced or parsed: logged; the timing stands without it."""
+    traceback.print_exc()
+    log(f"profile {tag}: FAILED to trace or parse the profile ({type(error).__name__}: {error}); no breakdown")
+    return {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+
+
+def profile_decode(step, params, cache, tokens, counts, args, config, step_seconds: float, per_call: int,
+                   tag: str) -> dict:
+    """Traces --profile-steps decode steps (rounded up to calls of `per_call` steps) and returns the per-step
+    breakdown (or {'error': why} when parsing fails)."""
+    calls = -(-args.profile_steps // per_call)
+    with trace_folder(args, tag) as trace_dir:
+        try:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(calls):
+                    cache, tokens, counts = step(params, cache, tokens, counts)
+                jax.block_until_ready((tokens, counts, cache))
+            trace = read_trace(trace_dir)
+            op_times = device_op_times(trace, DECODE_MODULE, jax.default_backend() != "cpu")
+            if not op_times.nanoseconds:
+                raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")
+            breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, calls * per_call,
+                                          step_seconds, args.top)
+            breakdown["host"] = host_event_times(trace, calls * per_call)
+            log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
+                f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step; host: the step's call "
+                f"{breakdown['host']['step_call_ms']:.3f}, CUDA graph launches "
+                f"{breakdown['host']['graph_launch_ms']:.3f} ms per step ({breakdown['source']})")
+            return with_graph_note(breakdown, tag)
+        except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
+            return profile_failed(tag, e)
+
+
+def with_graph_note(breakdown: dict, tag: str) -> dict:
+    """`breakdown`, with a note where the trace shows CUDA graphs as single ops (their kernels unseen)."""
+    if any(op["op"].startswith("command_buffer") for op in breakdown["top_ops"]):
+        breakdown["note"] = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one "
+                             "op each: rerun with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
+                             "(the graphs' kernels, side by side) or --xla_gpu_enable_command_buffer= (no graphs; "
+                             "the TPOT of that run is then without them)")
+        log(f"profile {tag}: {breakdown['note']}")
+    return breakdown
+
+
+def profile_engine(engine, prompts, new_tokens: int, step_seconds: float, args, tag: str) -> dict:
+    """One more `engine.generate(prompts, new_tokens)` with its decoding traced (`profile_dir`): its decode loop's
+    device time per step (the program `engine.DECODE_PROGRAM` over new_tokens - 1 steps) by kernel, as
+    `profile_breakdown` (components unnamed: the loop's HLO is not at hand), or {'error': why}."""
+    from MaxText.inference.engine import DECODE_PROGRAM  # pylint: disable=import-outside-toplevel
+    with trace_folder(args, tag) as trace_dir:
+        try:
+            engine.generate(prompts, new_tokens, profile_dir=trace_dir)
+            op_times = device_op_times(read_trace(trace_dir), DECODE_PROGRAM, jax.default_backend() != "cpu")
+            if not op_times.nanoseconds:
+                raise ValueError(f"no device events of {DECODE_PROGRAM} in the trace ({op_times.source})")
+            breakdown = profile_breakdown(op_times, {}, engine.config, new_tokens - 1, step_seconds, args.top)
+            log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
+                f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step, "
+                f"{breakdown['launches_per_step']:.0f} launches per step ({breakdown['source']})")
+            return with_graph_note(breakdown, tag)
+        except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
+            return profile_failed(tag, e)
+
+
+def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, decode_rows: Sequence[dict],
+               profile: bool = False) -> dict:
     """`engine.generate` (an Engine on the setup's params, its config with the overrides of `variant`) at `batch` rows
-    (the `engine` stage): its decode loop's time per step."""
+    (the `engine` stage): its decode loop's time per step; with `profile`, one more call traced (`profile_engine`)."""
     config, new_tokens = engine.config, args.engine_tokens
     prompts = [[1 + (7 * row + 3 * i) % (config.vocab_size - 1) for i in range(args.engine_prompt_len)]
                for row in range(batch)]
@@ -915,10 +956,13 @@ def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, de
     if copy_bw:
         row["roofline_ms"] = roofline_ms(row["bytes"]["total"], copy_bw, engine.mesh)
         row["over_roofline"] = ms / row["roofline_ms"]
+    setting = decode_setting(batch, config.moe_grouped_matmul, variant)
     ratio = f", roofline {row['roofline_ms']:.3f} ms (x{row['over_roofline']:.2f})" if copy_bw else ""
-    log(f"engine {decode_setting(batch, config.moe_grouped_matmul, variant)}: {ms:.3f} ms per decode step "
-        f"({row['tokens_per_s']:.1f} tokens/s){ratio}; prefill {row['prefill_ms']:.1f} ms; first call "
-        f"{compile_s:.1f} s{memory_note()}")
+    log(f"engine {setting}: {ms:.3f} ms per decode step ({row['tokens_per_s']:.1f} tokens/s){ratio}; prefill "
+        f"{row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
+    if profile:
+        row["profile"] = profile_engine(engine, prompts, new_tokens, ms / 1e3, args,
+                                        "engine_" + re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting))
     return row
 
 
@@ -994,32 +1038,8 @@ def report(results: dict) -> str:
             lines.append(f"| {r['batch']} | {setting_label(r)} | {whole:.3f} | {b['routed_experts']:.3f} | "
                          f"{state:.3f} | {b['mla_latent_cache']:.3f} | {b['total']:.3f} |")
         for r in results["decode"]:
-            prof = r.get("profile")
-            if not prof:
-                continue
-            lines.append(f"\n### Profile, batch {r['batch']}, moe {setting_label(r)}")
-            if "error" in prof:
-                lines.append(f"profile unavailable: {prof['error']}")
-                continue
-            host = prof.get("host", {})
-            lines.append(f"host per step (under the profiler): the step's call {host.get('step_call_ms', 0):.3f} ms, "
-                         f"CUDA graph launches {host.get('graph_launch_ms', 0):.3f} ms\n")
-            lines.append(f"device busy {prof['busy_ms']:.3f} ms (kernel time summed; "
-                         f"{prof.get('covered_ms', 0):.3f} ms covered by at least one kernel) of a "
-                         f"{prof['step_ms']:.3f} ms step "
-                         f"({prof['num_ops']} ops, {prof['launches_per_step']:.0f} kernel launches per step; "
-                         f"{prof['source']})\n")
-            if prof.get("note"):
-                lines.append(f"note: {prof['note']}\n")
-            lines.append("| component | ms / step | % of step | ops | launches / step | µs / launch |\n"
-                         "|---|---|---|---|---|---|")
-            lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} | {c['ops']} | "
-                      f"{c['launches_per_step']:.1f} | {c['ms'] * 1e3 / max(c['launches_per_step'], 1e-9):.1f} |"
-                      for c in prof["components"]]
-            lines.append("\n| op | component | kernel | ms / step | % of step | launches / step |\n"
-                         "|---|---|---|---|---|---|")
-            lines += [f"| {o['op']} | {o['component']} | {(o['kernel'] or '')[:60]} | {o['ms']:.3f} | "
-                      f"{o['pct_of_step']:.1f} | {o['launches_per_step']:.1f} |" for o in prof["top_ops"]]
+            if r.get("profile"):
+                lines += profile_lines(f"Profile, batch {r['batch']}, moe {setting_label(r)}", r["profile"])
     if results.get("engine"):
         lines.append("\n### Engine.generate (one while_loop program for all decode steps)\n")
         lines.append("| batch | variant | prompt | new tokens | ms / step | tokens/s | roofline ms | ms / step / "
@@ -1031,9 +1051,38 @@ def report(results: dict) -> str:
                          f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} | {roof} | {r['distinct_experts']:.1f} "
                          f"({r['distinct_experts_from']}) | {r['prefill_ms']:.1f} | {r['first_call_s']:.1f} | "
                          f"{r['tokens_crc32']} |")
+        for r in results["engine"]:
+            if r.get("profile"):
+                lines += profile_lines(f"Profile, Engine.generate's decode loop, batch {r['batch']}, "
+                                       f"{r['variant'] or 'defaults'}", r["profile"])
     for stage, error in results["errors"].items():
         lines.append(f"\n**stage {stage} failed**: {error}")
     return "\n".join(lines)
+
+
+def profile_lines(title: str, prof: dict) -> list[str]:
+    """The report's section of one profile (`profile_breakdown`'s dict, or {'error': why})."""
+    lines = [f"\n### {title}"]
+    if "error" in prof:
+        return lines + [f"profile unavailable: {prof['error']}"]
+    if "host" in prof:
+        lines.append(f"host per step (under the profiler): the step's call {prof['host']['step_call_ms']:.3f} ms, "
+                     f"CUDA graph launches {prof['host']['graph_launch_ms']:.3f} ms\n")
+    lines.append(f"device busy {prof['busy_ms']:.3f} ms (kernel time summed; {prof['covered_ms']:.3f} ms covered by at "
+                 f"least one kernel) of a {prof['step_ms']:.3f} ms step ({prof['num_ops']} ops, "
+                 f"{prof['launches_per_step']:.0f} kernel launches per step; {prof['source']})\n")
+    if prof.get("note"):
+        lines.append(f"note: {prof['note']}\n")
+    lines.append("| component | ms / step | % of step | ops | launches / step | µs / launch |\n"
+                 "|---|---|---|---|---|---|")
+    lines += [f"| {c['component']} | {c['ms']:.3f} | {c['pct_of_step']:.1f} | {c['ops']} | "
+              f"{c['launches_per_step']:.1f} | {c['ms'] * 1e3 / max(c['launches_per_step'], 1e-9):.1f} |"
+              for c in prof["components"]]
+    lines.append("\n| op | component | kernel | ms / step | % of step | launches / step |\n"
+                 "|---|---|---|---|---|---|")
+    lines += [f"| {o['op']} | {o['component']} | {(o['kernel'] or '')[:60]} | {o['ms']:.3f} | "
+              f"{o['pct_of_step']:.1f} | {o['launches_per_step']:.1f} |" for o in prof["top_ops"]]
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -1083,8 +1132,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         parser.error(f"--stages {','.join(unknown)} unknown; choose from {','.join(STAGES)}")
-    if "profile" in args.stages and "decode" not in args.stages:
-        parser.error("the profile stage traces the decode settings: add 'decode' to --stages")
+    if "profile" in args.stages and not {"decode", "engine"} & set(args.stages):
+        parser.error("the profile stage traces the decode settings and the Engines: add 'decode' or 'engine' to "
+                     "--stages")
     if "engine" in args.stages and (args.engine_tokens < 2 or args.engine_prompt_len < 1):
         parser.error(f"the engine stage needs --engine-tokens >= 2 (one decode step) and --engine-prompt-len >= 1, "
                      f"got {args.engine_tokens} and {args.engine_prompt_len}")
@@ -1161,7 +1211,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             config = load_benchmark_config(args, **variant_config_overrides(variant))
             user_engine = Engine(config, setup.params_for(config)[0], setup.mesh)  # the same arrays: no copy
             for batch in args.batches:
-                results["engine"].append(run_engine(user_engine, args, batch, variant, copy_bw, results["decode"]))
+                results["engine"].append(run_engine(user_engine, args, batch, variant, copy_bw, results["decode"],
+                                                    "profile" in args.stages))
                 write_json(args.out, results)
 
     if "copy" in args.stages:

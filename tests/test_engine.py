@@ -180,3 +180,24 @@ def test_decode_loop_unroll_keeps_every_token_and_each_rows_eos(unroll):
     assert unrolled.last_stats.decode_tokens == 3 * NEW_TOKENS  # no step past max_new_tokens
     eos = free[1][4]
     assert unrolled.generate(prompts, NEW_TOKENS, eos_id=eos) == engine().generate(prompts, NEW_TOKENS, eos_id=eos)
+
+
+def test_profile_dir_traces_the_decode_loop_and_keeps_the_tokens(tmp_path):
+    """generate(profile_dir=...) writes a jax.profiler trace holding the decode loop's program (not the prefill's),
+    with the same tokens as an untraced call."""
+    from jax.profiler import ProfileData
+
+    from MaxText.inference.engine import DECODE_PROGRAM
+
+    prompts = _prompts(*BATCH_LENGTHS)
+    reference = engine().generate(prompts, NEW_TOKENS)
+    assert engine().generate(prompts, NEW_TOKENS, profile_dir=str(tmp_path)) == reference
+    stats = engine().last_stats
+    assert stats.decode_tokens == len(prompts) * NEW_TOKENS and stats.decode_seconds > 0
+    traces = list(tmp_path.rglob("*.xplane.pb"))
+    assert len(traces) == 1, traces
+    modules = {str(dict(event.stats).get("hlo_module", "")).split("(")[0]
+               for plane in ProfileData.from_file(str(traces[0])).planes for line in plane.lines
+               for event in line.events}
+    assert DECODE_PROGRAM in modules, modules
+    assert not any(module.startswith("jit__prefill_fn") for module in modules), modules

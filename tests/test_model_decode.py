@@ -163,7 +163,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         by_batch.setdefault(row["batch"], set()).add(row["warmup_cache_crc32"])
     assert all(len(crcs) == 1 for crcs in by_batch.values()), by_batch
     assert len({crc for crcs in by_batch.values() for crc in crcs}) == 2
-    assert len(os.listdir(tmp_path / "traces")) == 4  # one trace folder per decode setting (batch x variant)
+    # one trace folder per decode setting (batch x variant) and per Engine (variant x batch)
+    assert len(os.listdir(tmp_path / "traces")) == 8
     # per batch, each setting vs its first
     assert proc.stdout.count(" (first) |") == 2 and proc.stdout.count(" (- / same) |") == 2
     # The engine stage: Engine.generate's decode loop per Engine variant and batch, 8 new tokens (7 steps) after
@@ -185,10 +186,17 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["ms_per_step"] * 1e3)
         assert row["over_roofline"] == pytest.approx(row["ms_per_step"] / row["roofline_ms"])
         assert row["prefill_ms"] > 0 and isinstance(row["tokens_crc32"], int)
+        # The profile of one more call's decode loop (its program only): 7 steps' kernels per step.
+        profile = row["profile"]
+        assert "error" not in profile and profile["top_ops"], profile
+        assert profile["steps"] == 7 and profile["step_ms"] == pytest.approx(row["ms_per_step"])
+        assert 0 < profile["covered_ms"] <= profile["busy_ms"] * (1 + 1e-9), profile
+        assert profile["launches_per_step"] > 0
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |",
                        "### Engine.generate (one while_loop program for all decode steps)",
                        "| ops | launches / step | µs / launch |", "### Profile, batch 2, moe auto (gather)",
-                       f"| 2 | auto (gather), {VARIANT} |", f"| 2 | {ENGINE_VARIANT} | 16 | 8 |"):
+                       f"| 2 | auto (gather), {VARIANT} |", f"| 2 | {ENGINE_VARIANT} | 16 | 8 |",
+                       f"### Profile, Engine.generate's decode loop, batch 2, {ENGINE_VARIANT}"):
         assert table_text in proc.stdout
 
 
@@ -196,6 +204,15 @@ def test_engine_stage_needs_a_decode_step():
     with pytest.raises(SystemExit):
         model_decode.parse_args(["--smoke", "--engine-tokens", "1"])
     assert model_decode.parse_args(["--smoke", "--stages", "init,decode", "--engine-tokens", "1"]).engine_tokens == 1
+
+
+def test_profile_stage_needs_decode_or_engine(capsys):
+    """The profile stage traces the decode settings and the Engines: alone it has nothing to trace."""
+    with pytest.raises(SystemExit):
+        model_decode.parse_args(["--smoke", "--stages", "init,profile"])
+    assert "add 'decode' or 'engine'" in capsys.readouterr().err
+    for stages in ("init,engine,profile", "init,decode,profile"):
+        assert model_decode.parse_args(["--smoke", "--stages", stages]).stages == stages.split(",")
 
 
 @pytest.mark.parametrize("variant", ["steps_per_call=2", "decode_loop_graphs=false,xla_gpu_autotune_level=0"])

@@ -12,6 +12,7 @@ when every row has produced `eos_id` or after `max_new_tokens`. Each row's outpu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,7 @@ from MaxText.inference.compile_options import decode_compiler_options
 from MaxText.inference.sampling import SamplingParams, check_sampling_params, sample
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache
 
+DECODE_PROGRAM = "jit__decode_fn"  # the XLA module name of generate's decode loop (a profile's program to read)
 MIN_BUCKET = 64  # sequence lengths are padded to a power of two >= this, so few distinct shapes get compiled
 
 
@@ -146,7 +148,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  eos_id: int | None = None, speculative: str | None = None, num_draft_tokens: int = 4,
-                 draft_engine: "Engine | None" = None) -> list[list[int]]:
+                 draft_engine: "Engine | None" = None, profile_dir: str | None = None) -> list[list[int]]:
         """Generates up to `max_new_tokens` tokens after each prompt; returns the new token ids per prompt.
 
         temperature 0 is greedy (identical to generating each prompt alone); > 0 samples with optional top-k /
@@ -154,6 +156,8 @@ class Engine:
         speculative: None / 'none' (plain decoding), 'ngram' (prompt lookup) or 'draft_model' (`draft_engine`, an
         Engine of a smaller model with the same vocabulary) verifies `num_draft_tokens` drafts per forward
         (inference/speculative.py); greedy only, the same tokens as plain greedy; stats in `last_stats`.
+        profile_dir: write a `jax.profiler` trace of the decoding (after the prefill, until the new tokens are on
+        the host) under this directory (its decode loop is the XLA program DECODE_PROGRAM).
         Raises ValueError, before any compute, for an empty prompt list or prompt, a token id outside
         [0, vocab_size), a prompt longer than max_target_length - max_new_tokens (- num_draft_tokens when
         speculative), or bad sampling / speculative arguments.
@@ -184,22 +188,24 @@ class Engine:
         first_logits, cache = jax.block_until_ready(
             self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(segment_ids), state_slots=state_slots))
         prefilled = time.perf_counter()
-        if speculative is not None:  # the draft model's prefill counts as decode time
-            result = self._speculative_decoder(speculative, num_draft_tokens, draft_engine).generate(
-                jnp.asarray(tokens), jnp.asarray(segment_ids), first_logits, cache,
-                -1 if eos_id is None else eos_id, max_new_tokens)
-            rows = [_until_eos(row.tolist(), eos_id) for row in result.tokens[:len(prompts)]]
-            self.last_stats = GenerationStats(
-                sum(len(p) for p in prompts), prefilled - start, sum(len(row) for row in rows),
-                time.perf_counter() - prefilled, num_draft_tokens, result.verify_steps, result.draft_tokens,
-                result.accepted_draft_tokens, result.accepted_length_counts)
-            return rows
-        new_tokens, num_steps, _ = self._decode(self.params, cache, first_logits, jax.random.PRNGKey(seed),
-                                                jnp.int32(-1 if eos_id is None else eos_id),
-                                                max_new_tokens=max_new_tokens, sampling=sampling)
-        new_tokens = np.asarray(new_tokens)[:len(prompts), :int(num_steps)]
-        self.last_stats = GenerationStats(sum(len(p) for p in prompts), prefilled - start,
-                                          new_tokens.size, time.perf_counter() - prefilled)
+        with jax.profiler.trace(profile_dir) if profile_dir else contextlib.nullcontext():
+            if speculative is not None:  # the draft model's prefill counts as decode time
+                result = self._speculative_decoder(speculative, num_draft_tokens, draft_engine).generate(
+                    jnp.asarray(tokens), jnp.asarray(segment_ids), first_logits, cache,
+                    -1 if eos_id is None else eos_id, max_new_tokens)
+                rows = [_until_eos(row.tolist(), eos_id) for row in result.tokens[:len(prompts)]]
+                self.last_stats = GenerationStats(
+                    sum(len(p) for p in prompts), prefilled - start, sum(len(row) for row in rows),
+                    time.perf_counter() - prefilled, num_draft_tokens, result.verify_steps, result.draft_tokens,
+                    result.accepted_draft_tokens, result.accepted_length_counts)
+                return rows
+            new_tokens, num_steps, _ = self._decode(self.params, cache, first_logits, jax.random.PRNGKey(seed),
+                                                    jnp.int32(-1 if eos_id is None else eos_id),
+                                                    max_new_tokens=max_new_tokens, sampling=sampling)
+            new_tokens = np.asarray(new_tokens)[:len(prompts), :int(num_steps)]
+            decoded = time.perf_counter()  # before the profiler (if any) writes its trace
+        self.last_stats = GenerationStats(sum(len(p) for p in prompts), prefilled - start, new_tokens.size,
+                                          decoded - prefilled)
         return [_until_eos(row.tolist(), eos_id) for row in new_tokens]
 
     def _speculative_decoder(self, method: str, num_draft_tokens: int, draft_engine) -> spec.SpeculativeDecoder:
