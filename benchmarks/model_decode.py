@@ -895,15 +895,29 @@ def profile_decode(step, params, cache, tokens, counts, args, config, step_secon
             return profile_failed(tag, e)
 
 
+GRAPHS_AS_OPS_NOTE = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one op each: "
+                      "rerun with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true (the graphs' kernels, "
+                      "side by side) or --xla_gpu_enable_command_buffer= (no graphs; the TPOT of that run is then "
+                      "without them)")
+
+
 def with_graph_note(breakdown: dict, tag: str) -> dict:
     """`breakdown`, with a note where the trace shows CUDA graphs as single ops (their kernels unseen)."""
     if any(op["op"].startswith("command_buffer") for op in breakdown["top_ops"]):
-        breakdown["note"] = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one "
-                             "op each: rerun with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
-                             "(the graphs' kernels, side by side) or --xla_gpu_enable_command_buffer= (no graphs; "
-                             "the TPOT of that run is then without them)")
-        log(f"profile {tag}: {breakdown['note']}")
+        add_note(breakdown, GRAPHS_AS_OPS_NOTE, tag)
     return breakdown
+
+
+def add_note(breakdown: dict, note: str, tag: str) -> None:
+    """Appends `note` to the profile's notes (the report prints them) and logs it."""
+    breakdown["note"] = "; ".join(filter(None, [breakdown.get("note"), note]))
+    log(f"profile {tag}: {note}")
+
+
+LOOP_GRAPHS_PROFILE_NOTE = (
+    "the decode loop ran as one CUDA graph with conditional nodes (decode_loop_graphs): a trace of it held ~30 of the "
+    "48B step's ~640 kernel launches per step (covered 0.12 of 2.55 ms; benchmarks/RESULTS.md, twenty-eighth "
+    "session), so this breakdown misses most kernels; profile an Engine variant with decode_loop_graphs=false")
 
 
 def profile_engine(engine, prompts, new_tokens: int, step_seconds: float, args, tag: str) -> dict:
@@ -921,6 +935,8 @@ def profile_engine(engine, prompts, new_tokens: int, step_seconds: float, args, 
             log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
                 f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step, "
                 f"{breakdown['launches_per_step']:.0f} launches per step ({breakdown['source']})")
+            if engine.config.decode_loop_graphs and jax.default_backend() == "gpu":
+                add_note(breakdown, LOOP_GRAPHS_PROFILE_NOTE, tag)
             return with_graph_note(breakdown, tag)
         except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
             return profile_failed(tag, e)

@@ -359,3 +359,12 @@ def test_a_variant_in_the_other_dense_layout_gets_the_same_model_transposed(layo
     want = KimiLinearForCausalLM(config).apply({"params": params}, tokens, model_mode="train")
     got = KimiLinearForCausalLM(variant).apply({"params": relaid}, tokens, model_mode="train")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_profile_notes_add_up():
+    """A profile keeps every note it is given (the Engine's loop-graphs note and the graphs-as-ops one)."""
+    breakdown = {"top_ops": [{"op": "command_buffer.3"}]}
+    model_decode.add_note(breakdown, model_decode.LOOP_GRAPHS_PROFILE_NOTE, "t")
+    model_decode.with_graph_note(breakdown, "t")
+    assert breakdown["note"] == model_decode.LOOP_GRAPHS_PROFILE_NOTE + "; " + model_decode.GRAPHS_AS_OPS_NOTE
+    assert "note" not in model_decode.with_graph_note({"top_ops": [{"op": "fusion.1"}]}, "t")
