@@ -70,7 +70,6 @@ device: a mesh of N devices is assumed to split the bytes N ways). Prints a tabl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import glob
 import itertools
@@ -846,26 +845,35 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
             f"measured counts")
     if profile and args.profile_steps:
         row["profile"] = profile_decode(step, params, cache, tokens, counts, args, config, tpot, per_call,
-                                        re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting))  # one trace folder per setting
+                                        profile_tag("", setting))
     return row
 
 
-@contextlib.contextmanager
-def trace_folder(args, tag: str):
-    """The folder a profile of setting `tag` is traced into: under --trace-dir (kept), else a temporary one."""
+def traced_profile(args, tag: str, module_name: str, run, breakdown_of) -> dict:
+    """Runs `run(trace_dir)` (which writes a jax.profiler trace there), reads the device ops of XLA program
+    `module_name` from it and returns `breakdown_of(trace, op_times)` (with the graphs note where it applies), or
+    {'error': why} when tracing or parsing fails (logged; the timing stands without the profile). The trace lies
+    under --trace-dir/`tag` (kept), else in a temporary folder."""
     trace_dir = os.path.join(args.trace_dir, tag) if args.trace_dir else tempfile.mkdtemp(prefix="model_decode_")
     try:
-        yield trace_dir
+        run(trace_dir)
+        trace = read_trace(trace_dir)
+        op_times = device_op_times(trace, module_name, jax.default_backend() != "cpu")
+        if not op_times.nanoseconds:
+            raise ValueError(f"no device events of {module_name} in the trace ({op_times.source})")
+        return with_graph_note(breakdown_of(trace, op_times), tag)
+    except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
+        traceback.print_exc()
+        log(f"profile {tag}: FAILED to trace or parse the profile ({type(e).__name__}: {e}); no breakdown")
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     finally:
         if not args.trace_dir:
             shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def profile_failed(tag: str, error: Exception) -> dict:
-    """A profile that could not be traced or parsed: logged; the timing stands without it."""
-    traceback.print_exc()
-    log(f"profile {tag}: FAILED to trace or parse the profile ({type(error).__name__}: {error}); no breakdown")
-    return {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+def profile_tag(prefix: str, setting: str) -> str:
+    """A trace folder's name for a setting: one folder per setting under --trace-dir."""
+    return prefix + re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting)
 
 
 def profile_decode(step, params, cache, tokens, counts, args, config, step_seconds: float, per_call: int,
@@ -873,26 +881,24 @@ def profile_decode(step, params, cache, tokens, counts, args, config, step_secon
     """Traces --profile-steps decode steps (rounded up to calls of `per_call` steps) and returns the per-step
     breakdown (or {'error': why} when parsing fails)."""
     calls = -(-args.profile_steps // per_call)
-    with trace_folder(args, tag) as trace_dir:
-        try:
-            with jax.profiler.trace(trace_dir):
-                for _ in range(calls):
-                    cache, tokens, counts = step(params, cache, tokens, counts)
-                jax.block_until_ready((tokens, counts, cache))
-            trace = read_trace(trace_dir)
-            op_times = device_op_times(trace, DECODE_MODULE, jax.default_backend() != "cpu")
-            if not op_times.nanoseconds:
-                raise ValueError(f"no device events of {DECODE_MODULE} in the trace ({op_times.source})")
-            breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, calls * per_call,
-                                          step_seconds, args.top)
-            breakdown["host"] = host_event_times(trace, calls * per_call)
-            log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
-                f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step; host: the step's call "
-                f"{breakdown['host']['step_call_ms']:.3f}, CUDA graph launches "
-                f"{breakdown['host']['graph_launch_ms']:.3f} ms per step ({breakdown['source']})")
-            return with_graph_note(breakdown, tag)
-        except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
-            return profile_failed(tag, e)
+
+    def run(trace_dir):
+        state = (cache, tokens, counts)
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                state = step(params, *state)
+            jax.block_until_ready(state)
+
+    def breakdown_of(trace, op_times):
+        breakdown = profile_breakdown(op_times, hlo_op_names(step.as_text()), config, calls * per_call,
+                                      step_seconds, args.top)
+        breakdown["host"] = host_event_times(trace, calls * per_call)
+        log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
+            f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step; host: the step's call "
+            f"{breakdown['host']['step_call_ms']:.3f}, CUDA graph launches "
+            f"{breakdown['host']['graph_launch_ms']:.3f} ms per step ({breakdown['source']})")
+        return breakdown
+    return traced_profile(args, tag, DECODE_MODULE, run, breakdown_of)
 
 
 GRAPHS_AS_OPS_NOTE = ("XLA ran the step as CUDA graph(s) (command buffers), which the trace shows as one op each: "
@@ -925,21 +931,18 @@ def profile_engine(engine, prompts, new_tokens: int, step_seconds: float, args, 
     device time per step (the program `engine.DECODE_PROGRAM` over new_tokens - 1 steps) by kernel, as
     `profile_breakdown` (components unnamed: the loop's HLO is not at hand), or {'error': why}."""
     from MaxText.inference.engine import DECODE_PROGRAM  # pylint: disable=import-outside-toplevel
-    with trace_folder(args, tag) as trace_dir:
-        try:
-            engine.generate(prompts, new_tokens, profile_dir=trace_dir)
-            op_times = device_op_times(read_trace(trace_dir), DECODE_PROGRAM, jax.default_backend() != "cpu")
-            if not op_times.nanoseconds:
-                raise ValueError(f"no device events of {DECODE_PROGRAM} in the trace ({op_times.source})")
-            breakdown = profile_breakdown(op_times, {}, engine.config, new_tokens - 1, step_seconds, args.top)
-            log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
-                f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step, "
-                f"{breakdown['launches_per_step']:.0f} launches per step ({breakdown['source']})")
-            if engine.config.decode_loop_graphs and jax.default_backend() == "gpu":
-                add_note(breakdown, LOOP_GRAPHS_PROFILE_NOTE, tag)
-            return with_graph_note(breakdown, tag)
-        except Exception as e:  # noqa: BLE001 -- the timing stands without the profile
-            return profile_failed(tag, e)
+
+    def breakdown_of(_, op_times):
+        breakdown = profile_breakdown(op_times, {}, engine.config, new_tokens - 1, step_seconds, args.top)
+        log(f"profile {tag}: {breakdown['num_ops']} ops, device busy {breakdown['busy_ms']:.3f} (covered "
+            f"{breakdown['covered_ms']:.3f}) of {breakdown['step_ms']:.3f} ms per step, "
+            f"{breakdown['launches_per_step']:.0f} launches per step ({breakdown['source']})")
+        if engine.config.decode_loop_graphs and jax.default_backend() == "gpu":
+            add_note(breakdown, LOOP_GRAPHS_PROFILE_NOTE, tag)
+        return breakdown
+    return traced_profile(args, tag, DECODE_PROGRAM,
+                          lambda trace_dir: engine.generate(prompts, new_tokens, profile_dir=trace_dir),
+                          breakdown_of)
 
 
 def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, decode_rows: Sequence[dict],
@@ -978,7 +981,7 @@ def run_engine(engine, args, batch: int, variant: str, copy_bw: float | None, de
         f"{row['prefill_ms']:.1f} ms; first call {compile_s:.1f} s{memory_note()}")
     if profile:
         row["profile"] = profile_engine(engine, prompts, new_tokens, ms / 1e3, args,
-                                        "engine_" + re.sub(r"[^A-Za-z0-9_.=-]+", "_", setting))
+                                        profile_tag("engine_", setting))
     return row
 
 
