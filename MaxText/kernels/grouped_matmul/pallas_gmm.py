@@ -96,7 +96,8 @@ def default_tiles(num_rows: int, dtype, k_blocks: int, one_launch: bool = False,
             "rows_mma": False, "num_warps": 4}
 
 
-def _block(dim: int, requested: int) -> int:
+def block_for(dim: int, requested: int) -> int:
+    """The largest of BLOCK_CHOICES that divides `dim` and is at most `requested` (a block_k / block_n)."""
     return next(b for b in BLOCK_CHOICES if b <= requested and dim % b == 0)
 
 
@@ -197,9 +198,7 @@ def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_i
             tile = jnp.where(first_row, x[None, :], jnp.zeros((), x.dtype))  # [16, BK]: the row, then zeros
             return tuple(acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
                          for acc, w_ref in zip(accs, weight_refs))
-        x = x.astype(jnp.float32)
-        return tuple(acc + jnp.sum(x[:, None] * w_ref[matrix, ks, cols].astype(jnp.float32), axis=0)  # [BN]
-                     for acc, w_ref in zip(accs, weight_refs))
+        return tuple(acc + block_product(x, w_ref[matrix, ks, cols]) for acc, w_ref in zip(accs, weight_refs))
 
     def multiply(weight_refs, matrix):
         acc_shape = (MMA_ROWS, block_n) if mma else (block_n,)
@@ -322,11 +321,11 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"{' and '.join(rows_grid_only)} need the rows grid (M <= rowwise_max_rows="
                          f"{rowwise_max_rows}), got M={num_rows}")
     rows_grid = num_rows <= rowwise_max_rows
-    block_k = _block(contract, block_k)
+    block_k = block_for(contract, block_k)
     defaults = default_tiles(num_rows, rows.dtype, contract // block_k, rows_one_launch and len(weights) > 1,
                              rows_mma)
     block_m = block_m or defaults["block_m"]
-    block_n = _block(out_dim, block_n or defaults["block_n"])
+    block_n = block_for(out_dim, block_n or defaults["block_n"])
     split_k = defaults["split_k"] if split_k is None else split_k
     rows_mma = defaults["rows_mma"] if rows_mma is None else rows_mma
     num_warps = num_warps or defaults["num_warps"]
@@ -428,11 +427,25 @@ def _finishing_kernel(groups_ref, rows_ref, kernel_ref, *refs, finish, num_finis
     parts_ref, finish_outputs, counts_ref = refs[0], refs[1:-1], refs[-1]
     ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
     _rowwise_program(ids, groups_ref, (rows_ref, kernel_ref, parts_ref), **options)
-    if not options["interpret"]:  # every thread's stores before the count (one thread's atomic)
+    count_then_finish(counts_ref, ids[0], programs_per_row,
+                      functools.partial(finish, ids[0], parts_ref, *finish_inputs, *finish_outputs),
+                      options["interpret"])
+
+
+def block_product(x, w):
+    """x [BK] times a weight block w [BK, BN] inside a kernel: float32 FMAs of both as stored, reduced over K ->
+    [BN] float32 (the `rows` grid's FMA product of one K block)."""
+    return jnp.sum(x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
+
+
+def count_then_finish(counts_ref, row, programs_per_row: int, finish, interpret: bool) -> None:
+    """Inside a kernel whose programs each wrote a part of `row`'s result: counts this program done for `row` (one
+    atomic add, acquire and release at GPU scope, after every thread's stores) and runs `finish()` in the row's last
+    program to count, which then sees every part written."""
+    if not interpret:  # every thread's stores before the count (one thread's atomic)
         pltriton.debug_barrier()
-    done_before = pltriton.atomic_add(counts_ref, ids[0], jnp.int32(1))
-    pl.when(done_before == programs_per_row - 1)(
-        functools.partial(finish, ids[0], parts_ref, *finish_inputs, *finish_outputs))
+    done_before = pltriton.atomic_add(counts_ref, row, jnp.int32(1))
+    pl.when(done_before == programs_per_row - 1)(finish)
 
 
 def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int = 128, block_n: int = 64,
@@ -454,7 +467,7 @@ def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int =
     reason = unsupported_reason(rows.dtype, contract, kernel.shape[1])
     if reason:
         raise ValueError(reason)
-    block_k, block_n = _block(contract, block_k), _block(kernel.shape[1], block_n)
+    block_k, block_n = block_for(contract, block_k), block_for(kernel.shape[1], block_n)
     plan = dict(block_k=block_k, block_n=block_n, split_k=contract // block_k, one_launch=False,
                 interpret=interpret)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
@@ -514,7 +527,7 @@ def dense_matmul(rows: jax.Array, kernel, *, block_k: int = 64, block_n: int = 6
         raise ValueError(f"kernels of one launch must share a shape, got {[k.shape for k in kernels]}")
     num_rows, contract = rows.shape
     out_dim = kernels[0].shape[1]
-    block_k, block_n = _block(contract, block_k), _block(out_dim, block_n)
+    block_k, block_n = block_for(contract, block_k), block_for(out_dim, block_n)
     split_k = dense_split_k(contract, out_dim, block_k, block_n, min_programs, rows.dtype.itemsize)
     outs = grouped_matmul(rows, tuple(k[None] for k in kernels), jnp.full((1,), num_rows, jnp.int32),
                           jnp.zeros((num_rows,), jnp.int32), block_m=16, block_n=block_n, block_k=block_k,

@@ -34,6 +34,28 @@ def unsupported_reason(dtype, dim: int) -> str | None:
     return None
 
 
+def residual_sum(x, update):
+    """naive.add_rms_norm's add inside a kernel: the update cast to x's dtype, added in float32, the sum rounded to
+    x's dtype."""
+    return (x.astype(jnp.float32) + update.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def inverse_rms(row, dim: int, epsilon: float):
+    """1 / rms of a float32 row of `dim` values (zeros past them) inside a kernel: a scalar."""
+    return jax.lax.rsqrt(jnp.sum(row * row) / dim + epsilon)
+
+
+def scaled_norm(row, inv, scale, dtype):
+    """The norm of (a block of) a float32 row with its `inverse_rms`, HF's casts: (row * inv) in `dtype` times the
+    scale in `dtype`."""
+    return scale.astype(dtype) * (row * inv).astype(dtype)
+
+
+def load_row(ref, row, dim: int, block: int):
+    """Row `row` of a [M, dim] ref as [block] values (block: dim padded to a power of two; zeros past dim)."""
+    return pltriton.load(ref.at[row, pl.ds(0, block)], mask=jnp.arange(block) < dim, other=0)
+
+
 def _kernel(*refs, dim, block, epsilon, adds_update):
     """refs: x, [update], scale, out, [summed] (the bracketed ones with `adds_update`)."""
     if adds_update:
@@ -42,15 +64,14 @@ def _kernel(*refs, dim, block, epsilon, adds_update):
         x_ref, scale_ref, out_ref = refs
     row = pl.program_id(0)
     inside = jnp.arange(block) < dim  # [BD] the row's values (block: dim padded to a power of two)
-    x = pltriton.load(x_ref.at[row, pl.ds(0, block)], mask=inside, other=0)
-    if adds_update:  # naive.add_rms_norm: the update cast to x's dtype, added in float32, the sum rounded to it
-        update = pltriton.load(update_ref.at[row, pl.ds(0, block)], mask=inside, other=0).astype(x.dtype)
-        x = (x.astype(jnp.float32) + update.astype(jnp.float32)).astype(x_ref.dtype)
+    x = load_row(x_ref, row, dim, block)
+    if adds_update:
+        x = residual_sum(x, load_row(update_ref, row, dim, block))
         pltriton.store(summed_ref.at[row, pl.ds(0, block)], x, mask=inside)
     x = x.astype(jnp.float32)
-    normed = (x * jax.lax.rsqrt(jnp.sum(x * x) / dim + epsilon)).astype(out_ref.dtype)
-    scale = pltriton.load(scale_ref.at[pl.ds(0, block)], mask=inside, other=0).astype(out_ref.dtype)
-    pltriton.store(out_ref.at[row, pl.ds(0, block)], scale * normed, mask=inside)
+    scale = pltriton.load(scale_ref.at[pl.ds(0, block)], mask=inside, other=0)
+    pltriton.store(out_ref.at[row, pl.ds(0, block)], scaled_norm(x, inverse_rms(x, dim, epsilon), scale,
+                                                                 out_ref.dtype), mask=inside)
 
 
 def _norm_call(x, update, scale, epsilon, interpret):
