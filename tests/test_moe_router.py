@@ -194,3 +194,54 @@ def test_router_layer_takes_one_launch_when_configured(monkeypatch, one_launch):
     assert calls == (["one launch", "product"] if one_launch else ["product", "route"])
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+
+
+# XLA's CPU compiler may keep a value rounded to bf16 inside an interpreted kernel in float32 when it feeds a float32
+# product (excess precision); the Triton compile rounds it. Without the excess the interpreter rounds as the GPU.
+EXACT = {"xla_allow_excess_precision": False}
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_norm_and_route_equals_the_norm_and_router_launches(tokens):
+    """pallas_route.norm_and_route (`moe_router_in_norm`): the residual add, the RMSNorm, the router's product and
+    the routing in one pallas_call give the three launches' results bit for bit (add_rms_norm's normed and summed
+    rows; vector_matrix_partials of the normed rows, routed by route_logits): bf16 rows, a float32 update, D = 512
+    (4 partial sums), 256 experts, top-8, exact ties among the router's columns."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    from MaxText.kernels.rms_norm import pallas_norm
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, 512)) * 2, jnp.bfloat16)
+    update = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.float32)
+    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(512), jnp.bfloat16)
+    kernel = np.asarray(rng.standard_normal((512, 256)) / 16, np.float32)
+    kernel[:, 1::7] = kernel[:, :1]  # every 7th expert ties with expert 0
+    kernel = jnp.asarray(kernel, jnp.bfloat16)
+    _, bias = _logits(rng, tokens, 256)
+    kw = dict(top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446)
+
+    def one_launch(x, update):
+        return pallas_route.norm_and_route(x, update, scale, kernel, bias, epsilon=1e-5, interpret=True, **kw)
+
+    def three_launches(x, update):
+        normed, summed = pallas_norm.add_rms_norm(x, update, scale, 1e-5, True)
+        parts = pallas_gmm.vector_matrix_partials(normed, kernel, interpret=True)
+        return (normed, summed, *pallas_route.route_logits(parts, bias, interpret=True, **kw))
+
+    got = jax.jit(one_launch, compiler_options=EXACT)(x, update)
+    want = jax.jit(three_launches, compiler_options=EXACT)(x, update)
+    for name, g, w in zip(("normed", "summed", "weights", "ids"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name)
+    assert [e.primitive.name for e in jax.make_jaxpr(one_launch)(x, update).jaxpr.eqns].count("pallas_call") == 1
+    with pytest.raises(ValueError, match=r"expected x and update \[N, D\] and norm_scale \[D\]"):
+        pallas_route.norm_and_route(x, update[:, :256], scale, kernel, bias, epsilon=1e-5, interpret=True, **kw)
+    with pytest.raises(ValueError, match=r"expected the router's kernel \[512, E\]"):
+        pallas_route.norm_and_route(x, update, scale, kernel[:256], bias, epsilon=1e-5, interpret=True, **kw)
+
+
+def test_unshared_counters_differ_in_length_from_call_to_call():
+    """Each launch's zeroed counters get a length of their own (so that XLA cannot share one zeros buffer among the
+    launches and copy it before each): consecutive calls differ, all zeros, at least the asked count."""
+    lengths = [pallas_route.unshared_counters(4).shape[0] for _ in range(3)]
+    assert len(set(lengths)) == 3 and min(lengths) >= 4
+    assert not np.any(np.asarray(pallas_route.unshared_counters(2)))

@@ -236,3 +236,56 @@ def test_decoder_input_norm_after_projections(monkeypatch, deferred, model_mode)
     assert config.input_norm_after_projections == deferred
     assert norms_first - len(calls) == (config.num_decoder_layers if deferred else 0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_routes_in_the_post_attention_norm(monkeypatch):
+    """moe_router_in_norm (default off): the tiny model (bf16) decoding one row with the norms' and the router's
+    Pallas kernels (interpreted, as on one GPU): each MoE layer's post-attention norm and routing are one
+    norm_and_route launch (no add_rms_norm, router product or routing launch of their own; the dense layer keeps
+    add_rms_norm), and the logits are bit for bit those of the separate launches."""
+    from MaxText.kernels.grouped_matmul import pallas_gmm
+    from MaxText.kernels.moe_router import pallas_route
+    assert not pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_router_in_norm  # the default
+    calls = []
+
+    def interpreted(module, name, interpret_positional=False):
+        fn = getattr(module, name)
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, True) if interpret_positional else fn(*args, **kwargs, interpret=True)
+        monkeypatch.setattr(module, name, call)
+    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)  # as on one GPU
+    interpreted(pallas_norm, "rms_norm", interpret_positional=True)
+    interpreted(pallas_norm, "add_rms_norm", interpret_positional=True)
+    for module, name in ((pallas_gmm, "vector_matrix_partials"), (pallas_route, "route_logits"),
+                         (pallas_route, "norm_and_route")):
+        interpreted(module, name)
+
+    def decode(in_norm: bool, steps: int = 3):
+        config = pyconfig.load_config("configs/kimi_linear_tiny.yml", {
+            "dtype": "bfloat16", "num_experts": 16, "norm_kernel": "pallas", "moe_router_kernel": "pallas",
+            "mla_kernel": "xla", "moe_router_in_norm": in_norm})
+        model = KimiLinearForCausalLM(config)
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, config.vocab_size)
+        params = {"params": model.init(jax.random.PRNGKey(0), tokens, model_mode="train")["params"]}
+        _, variables = model.apply(params, tokens, model_mode="prefill", mutable=["cache"])
+        step_fn = jax.jit(lambda cache, token: model.apply({**params, "cache": cache}, token,
+                                                           model_mode="autoregressive", mutable=["cache"]),
+                          compiler_options={"xla_allow_excess_precision": False})  # rounds as the GPU kernels
+        cache, token, logits = variables["cache"], tokens[:, -1:], []
+        calls.clear()
+        for _ in range(steps):
+            step, updated = step_fn(cache, token)
+            cache, token = updated["cache"], jnp.argmax(step, -1).astype(jnp.int32)
+            logits.append(step)
+        return jnp.concatenate(logits, axis=1), list(calls), config
+
+    want, separate, config = decode(False)
+    got, fused, _ = decode(True)
+    moe_layers = config.num_decoder_layers - config.first_num_dense_layers  # one trace of the step
+    assert fused.count("norm_and_route") == moe_layers and separate.count("norm_and_route") == 0
+    assert (separate.count("add_rms_norm"), fused.count("add_rms_norm")) == (config.num_decoder_layers, 1)
+    assert (separate.count("route_logits"), fused.count("route_logits")) == (moe_layers, 0)
+    assert (separate.count("vector_matrix_partials"), fused.count("vector_matrix_partials")) == (moe_layers, 0)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -5,12 +5,15 @@ deferred: the mixer projects input_layernorm.scale * x and multiplies each proje
 (RMSNorm(deferred=True)); speculative verify and one-token decode round alike.
 
 The first residual add is the post-attention norm's (`RMSNorm(x, update=...)`: one kernel with `norm_adds_residual`);
-both adds round as `residual_add` defines.
+both adds round as `residual_add` defines. With `moe_router_in_norm` (one-token decode where the norm's and the
+router's Pallas kernels run: `moe.routes_in_post_norm`) that launch also routes the MoE's tokens.
 
 The mixer is KDA or MLA and the MLP dense SwiGLU or MoE, as `config.layer_types[i]` / `config.mlp_types[i]` say.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -20,7 +23,7 @@ from MaxText.kernels.rms_norm.naive import residual_add
 from MaxText.layers.kda import KimiDeltaAttention
 from MaxText.layers.linears import MLP
 from MaxText.layers.mla import MultiHeadLatentAttention
-from MaxText.layers.moe import MoE
+from MaxText.layers.moe import MoE, routes_in_post_norm
 from MaxText.layers.normalizations import RMSNorm
 
 ACTIVATION_AXES = ("batch", "length", "embed")
@@ -55,7 +58,28 @@ class DecoderLayer(nn.Module):
         input_norm = RMSNorm(cfg, name="input_layernorm")
         h, row_scale = input_norm(x, deferred=True) if deferred else (input_norm(x), None)
         mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids, input_row_scale=row_scale)
-        h, x = RMSNorm(cfg, name="post_attention_layernorm")(x, update=mixed)  # x += mixed, then its norm
+        post_attention_norm = RMSNorm(cfg, name="post_attention_layernorm")
+        if (mlp_kind == "moe" and model_mode == "autoregressive" and not self.is_initializing()
+                and routes_in_post_norm(cfg, math.prod(x.shape[:-1]), x.shape[-1], x.dtype)):
+            h, x, routing = self._norm_and_route(x, mixed)  # x += mixed, its norm and the MoE's routing: one launch
+        else:
+            (h, x), routing = post_attention_norm(x, update=mixed), None  # x += mixed, then its norm
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
-        x = residual_add(x, mlp(h))
+        x = residual_add(x, mlp(h) if routing is None else mlp(h, routing=routing))
         return nn.with_logical_constraint(x, ACTIVATION_AXES)
+
+    def _norm_and_route(self, x: jax.Array, update: jax.Array):
+        """`moe_router_in_norm` (where `routes_in_post_norm`): the post-attention norm of x + update and the MoE's
+        routing of it in one launch (`pallas_route.norm_and_route`), with the norm's scale and the router's params
+        read from this layer's params (post_attention_layernorm/scale, mlp/gate/*: their modules are not called).
+        Returns (normed, summed [B, T, D], (weights, expert ids [B*T, k]))."""
+        from MaxText.kernels.moe_router import pallas_route  # pylint: disable=import-outside-toplevel
+        cfg = self.config
+        params = nn.meta.unbox(self.variables["params"])
+        gate = params["mlp"]["gate"]
+        rows = x.reshape(-1, x.shape[-1])  # [N, D]
+        normed, summed, weights, ids = pallas_route.norm_and_route(
+            rows, update.reshape(rows.shape), params["post_attention_layernorm"]["scale"], gate["kernel"],
+            gate["e_score_correction_bias"], epsilon=cfg.normalization_layer_epsilon, top_k=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
+        return normed.reshape(x.shape), summed.reshape(x.shape), (weights, ids)

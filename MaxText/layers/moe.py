@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from MaxText.kernels.grouped_matmul import extra_groups_supported, grouped_matmul, rows_must_be_sorted
+from MaxText.kernels import moe_router, rms_norm
+from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, extra_groups_supported, grouped_matmul,
+                                            pallas_unavailable_reason, rows_must_be_sorted)
 from MaxText.kernels.moe_router import route_tokens
 from MaxText.layers.linears import MLP, kernel_init, matmul_precision
 
@@ -136,11 +138,13 @@ class MoE(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """routing: the tokens' (weights [N, k], expert ids [N, k]) where the caller routed them already
+        (`routes_in_post_norm`: the router's params read in the same launch as the norm); None: the `gate` routes."""
         cfg = self.config
         batch, seq_len, dim = x.shape
         tokens = x.reshape(batch * seq_len, dim)  # [N, D]
-        weights, expert_ids = Router(cfg, name="gate")(tokens)
+        weights, expert_ids = Router(cfg, name="gate")(tokens) if routing is None else routing
         shared = MLP(cfg, cfg.moe_mlp_dim * cfg.shared_experts, name="shared_experts") if cfg.shared_experts else None
         experts = RoutedExperts(cfg, name="experts")
         if shared is not None and shared_rows_fit(cfg, batch * seq_len):
@@ -149,3 +153,16 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared(x)
         return out
+
+
+def routes_in_post_norm(config: ml_collections.FrozenConfigDict, num_tokens: int, dim: int, dtype) -> bool:
+    """Whether a decoder layer runs its post-attention norm and its MoE's router as one launch for `num_tokens`
+    rows (`moe_router_in_norm`; `pallas_route.norm_and_route`): where the norm would run its Pallas kernel adding
+    the residual (`norm_adds_residual`; one row by default) and the router its Pallas product and routing (at most
+    ROWWISE_MAX_ROWS tokens), which that launch computes alike."""
+    if not (config.moe_router_in_norm and config.norm_adds_residual) or num_tokens > ROWWISE_MAX_ROWS:
+        return False
+    return (rms_norm.resolve(config.norm_kernel, dtype, dim, num_tokens) == "pallas"
+            and moe_router.resolve(config.moe_router_kernel, config.num_experts, config.num_experts_per_tok,
+                                   config.n_routing_groups) == "pallas"
+            and pallas_unavailable_reason(dtype, dim, config.num_experts) is None)

@@ -9,6 +9,9 @@ top-k, the gather of the chosen scores, the normalization).
 `product_and_route` runs the product and the routing as one launch: the product's last program for each token
 routes it (`route_token`, the same code as the routing kernel's programs).
 
+`norm_and_route` runs the decoder layer's post-attention norm (the residual add too), the product and the routing
+as one launch (config key `moe_router_in_norm`): each product program recomputes its token's norm.
+
 Top-k by k rounds of (max, lowest expert id holding it, masked out): the experts come out in descending order of
 their choice value and ties go to the lower id, as `jax.lax.top_k` orders them (naive.route, the oracle). Ungrouped
 routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block shapes). Runs under
@@ -18,11 +21,15 @@ routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from MaxText.kernels.grouped_matmul import pallas_gmm
+from MaxText.kernels.rms_norm import pallas_norm
 
 F32 = jnp.float32
 
@@ -106,7 +113,6 @@ def product_and_route(x: jax.Array, kernel: jax.Array, correction_bias: jax.Arra
     `pallas_gmm.vector_matrix_partials(x, kernel)` (the same partial products, summed in the same order: the same
     result), but the last product program of each token routes it (`vector_matrix_partials`' finish) instead of a
     second kernel after the product's."""
-    from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
     num_tokens, num_experts = x.shape[0], kernel.shape[-1]
     _check(num_experts, top_k, correction_bias)
     finish = functools.partial(route_token, top_k=top_k, norm_topk_prob=norm_topk_prob,
@@ -116,3 +122,85 @@ def product_and_route(x: jax.Array, kernel: jax.Array, correction_bias: jax.Arra
         finish_outputs=(jax.ShapeDtypeStruct((num_tokens, top_k), F32),
                         jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)), interpret=interpret)
     return weights, ids
+
+
+_counter_launches = itertools.count()
+
+
+def unshared_counters(num: int) -> jax.Array:
+    """Zeroed int32 counters [num + pad] for one launch that counts its programs in place (aliased): `pad` (0-60)
+    differs from call to call, so that XLA cannot make the launches of a program share one zeros buffer, which it
+    then copies before each launch (a memcpy node on the step's dependent chain: 1.4 us per launch in the 48B
+    Engine's trace, benchmarks/RESULTS.md, twenty-ninth session). The launch reads only the first `num`."""
+    return jnp.zeros((num + next(_counter_launches) % 61,), jnp.int32)
+
+
+def _norm_route_kernel(x_ref, update_ref, scale_ref, kernel_ref, bias_ref, _, normed_ref, summed_ref, parts_ref,
+                       weights_ref, ids_ref, counts_ref, *, dim, block, epsilon, block_k, block_n, programs_per_row,
+                       route_options, interpret):
+    """Program (token, column block, K block) of `norm_and_route`: its token's residual sum and 1 / rms over the
+    whole row (program (token, 0, 0) stores the sum and the norm), its K block of the norm times the router's
+    [block_k, block_n] kernel block (a partial product), then a count; the token's last program routes it."""
+    token, col_block, k_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    summed = pallas_norm.residual_sum(pallas_norm.load_row(x_ref, token, dim, block),
+                                      pallas_norm.load_row(update_ref, token, dim, block))  # [block]
+    inv = pallas_norm.inverse_rms(summed.astype(F32), dim, epsilon)
+
+    @pl.when((col_block == 0) & (k_block == 0))
+    def _store_row():
+        inside = jnp.arange(block) < dim
+        scale = pltriton.load(scale_ref.at[pl.ds(0, block)], mask=inside, other=0)
+        pltriton.store(summed_ref.at[token, pl.ds(0, block)], summed, mask=inside)
+        pltriton.store(normed_ref.at[token, pl.ds(0, block)],
+                       pallas_norm.scaled_norm(summed.astype(F32), inv, scale, normed_ref.dtype), mask=inside)
+
+    ks = pl.ds(pl.multiple_of(k_block * block_k, block_k), block_k)
+    cols = pl.ds(col_block * block_n, block_n)
+    summed_k = pallas_norm.residual_sum(x_ref[token, ks], update_ref[token, ks])  # [BK], as `summed`'s
+    normed_k = pallas_norm.scaled_norm(summed_k.astype(F32), inv, scale_ref[ks], normed_ref.dtype)
+    parts_ref[k_block, token, cols] = pallas_gmm.block_product(normed_k, kernel_ref[ks, cols])  # [BN]
+    pallas_gmm.count_then_finish(
+        counts_ref, token, programs_per_row,
+        functools.partial(route_token, token, parts_ref, bias_ref, weights_ref, ids_ref, **route_options), interpret)
+
+
+def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kernel: jax.Array,
+                   correction_bias: jax.Array, *, epsilon: float, top_k: int, norm_topk_prob: bool,
+                   routed_scaling_factor: float, block_k: int = 128, block_n: int = 64,
+                   interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The post-attention norm and the router in ONE launch (config key `moe_router_in_norm`): x, update [N, D]
+    (N <= 16), norm_scale [D], the router's kernel [D, E] -> (normed [N, D], summed [N, D], weights [N, k] float32,
+    ids [N, k] int32): `rms_norm.pallas_norm.add_rms_norm(x, update, norm_scale, epsilon)` and
+    `route_logits(pallas_gmm.vector_matrix_partials(normed, kernel), correction_bias, ...)` (the same partial
+    products, summed in the same order), with no launch boundary between the norm and the router's product or
+    between that product and the routing: each of the product's programs recomputes its token's 1 / rms (a 2 x D
+    read) and the norm of its K block, and the token's last program to finish routes it (`route_token`)."""
+    if x.ndim != 2 or update.shape != x.shape or norm_scale.shape != (x.shape[1],):
+        raise ValueError(f"expected x and update [N, D] and norm_scale [D], got {x.shape}, {update.shape} and "
+                         f"{norm_scale.shape}")
+    num_tokens, dim = x.shape
+    num_experts = kernel.shape[-1]
+    if kernel.shape != (dim, num_experts):
+        raise ValueError(f"expected the router's kernel [{dim}, E], got {kernel.shape}")
+    _check(num_experts, top_k, correction_bias)
+    reason = pallas_gmm.unsupported_reason(x.dtype, dim, num_experts)
+    if reason:
+        raise ValueError(reason)
+    # the product's blocks, as vector_matrix_partials picks them
+    block_k, block_n = pallas_gmm.block_for(dim, block_k), pallas_gmm.block_for(num_experts, block_n)
+    grid = (num_tokens, num_experts // block_n, dim // block_k)
+    counts = unshared_counters(num_tokens)
+    route_options = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=float(routed_scaling_factor))
+    row_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    normed, summed, _, weights, ids, _ = pl.pallas_call(
+        functools.partial(_norm_route_kernel, dim=dim, block=1 << (dim - 1).bit_length(), epsilon=epsilon,
+                          block_k=block_k, block_n=block_n, programs_per_row=grid[1] * grid[2],
+                          route_options=route_options, interpret=interpret),
+        out_shape=(row_type, row_type, jax.ShapeDtypeStruct((grid[2], num_tokens, num_experts), F32),
+                   jax.ShapeDtypeStruct((num_tokens, top_k), F32),
+                   jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32), jax.ShapeDtypeStruct(counts.shape, jnp.int32)),
+        grid=grid, input_output_aliases={5: 5},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="norm_and_route",
+    )(x, update, norm_scale, kernel, correction_bias.astype(F32), counts)
+    return normed, summed, weights, ids
