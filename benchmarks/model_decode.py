@@ -204,6 +204,29 @@ class OpTimes(NamedTuple):
     source: str  # the plane and lines read
     summed_ns: float  # the kernels' durations summed (more than covered_ns where they ran side by side)
     covered_ns: float  # time covered by at least one of the events (their union)
+    events: tuple = ()  # (start ns, duration ns, HLO op, kernel) of every kept event, by start
+
+
+def step_timeline(events, steps: int) -> list[dict[str, Any]]:
+    """One step's kernels in start order (`OpTimes.events`), each as {op, kernel, start_us, us} from the step's
+    start: the events from one launch of the step's marker to its next, the marker being the kernel launched once per
+    step (of `steps`; the lm_head's product; by kernel name, which a loop's unrolled copies of an op share on a GPU)
+    with the longest mean launch; of the trace's steps the shortest (a step with no host work between its kernels,
+    e.g. no loop iteration launched from the host). [] where no kernel is launched once per step. Read beside each
+    other, the starts show the dependent chain: which kernel waits for which, and the gaps between them."""
+    launches: dict[str, list[float]] = defaultdict(list)
+    for _, duration, _, kernel in events:
+        launches[kernel].append(duration)
+    per_step = [kernel for kernel, durations in launches.items() if len(durations) == steps]
+    if not per_step:
+        return []
+    marker = max(per_step, key=lambda kernel: statistics.fmean(launches[kernel]))
+    starts = [start for start, _, _, kernel in events if kernel == marker]
+    if len(starts) < 2:
+        return []
+    first, end = min(zip(starts, starts[1:]), key=lambda pair: pair[1] - pair[0])
+    return [{"op": op, "kernel": kernel, "start_us": (start - first) / 1e3, "us": duration / 1e3}
+            for start, duration, op, kernel in events if first <= start < end]
 
 
 def shared_time(intervals: list[tuple[float, float]]) -> list[float]:
@@ -316,7 +339,8 @@ def device_op_times(trace: Trace, module_name: str, accelerator: bool) -> OpTime
         kernels.setdefault(op, kernel)
     names = sorted({line.name for line in lines})  # a CUDA graph's kernels come on ~180 streams: named by count
     source = f"{plane.name}: " + (", ".join(names) if len(names) <= 4 else f"{len(names)} lines ({names[0]}, ...)")
-    return OpTimes(dict(nanoseconds), kernels, dict(launches), source, sum(own), covered_time(intervals))
+    events = tuple(sorted((start, duration, op, kernel) for (op, kernel, start, _), duration in zip(keyed, own)))
+    return OpTimes(dict(nanoseconds), kernels, dict(launches), source, sum(own), covered_time(intervals), events)
 
 
 # Host events of a decode step in a trace, by name prefix: the jitted call (JAX's dispatch, XLA's thunks and the CUDA
@@ -421,6 +445,7 @@ def profile_breakdown(op_times: OpTimes, op_names: dict[str, str], config, steps
         "components": [{"component": name, "ops": ops_by_component[name],
                         "launches_per_step": launches_by_component[name], **row(seconds)}
                        for name, seconds in sorted(by_component.items(), key=lambda kv: -kv[1])],
+        "timeline": step_timeline(op_times.events, steps),  # one step's kernels by start (JSON only)
     }
 
 

@@ -105,7 +105,7 @@ def test_profile_helpers_name_ops_by_model_component():
 # written as true, which XLA takes only as a Python bool).
 VARIANT = ("fused_projections=false,decode_graph_scheduling=serialize,xla_gpu_autotune_level=0,"
            "xla_gpu_enable_pdl=true,steps_per_call=2")
-ENGINE_VARIANT = "decode_loop_graphs=false"  # an Engine variant: config keys only
+ENGINE_VARIANT = "decode_loop_graphs=false,decode_loop_unroll=1"  # an Engine variant: config keys only
 
 
 def test_smoke_run_end_to_end_on_cpu(tmp_path):
@@ -153,6 +153,10 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert profile["host"]["step_call_ms"] > 0 and profile["host"]["graph_launch_ms"] == 0, profile["host"]
         components = {c["component"] for c in profile["components"]}
         assert {"moe/experts", "kda", "mla", "lm_head"} <= components, components
+        if row["variant"] == "":  # one step per call: its kernels in start order, from the lm_head's product
+            timeline = profile["timeline"]
+            assert timeline[0]["start_us"] == 0 and len(timeline) >= len(profile["top_ops"]), timeline
+            assert [k["start_us"] for k in timeline] == sorted(k["start_us"] for k in timeline)
         assert sum(c["ops"] for c in profile["components"]) == profile["num_ops"]
         assert all(c["ops"] >= 1 for c in profile["components"])
     # A variant that changes no math (fused_projections; an XLA option of the step's compile; two steps per call)
@@ -173,7 +177,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
     config = model_decode.load_benchmark_config(model_decode.parse_args(["--smoke"]))
     assert [(r["variant"], r["batch"], r["prompt_len"], r["new_tokens"]) for r in results["engine"]] == [
         ("", 1, 16, 8), ("", 2, 16, 8), (ENGINE_VARIANT, 1, 16, 8), (ENGINE_VARIANT, 2, 16, 8)]
-    # Loops outside the graphs decode the same greedy tokens (the variant changes how the loop is launched only).
+    # Loops outside the graphs, one step per iteration, decode the same greedy tokens (the variant changes how the
+    # loop is launched only).
     engine_crcs = {(r["batch"], r["variant"]): r["tokens_crc32"] for r in results["engine"]}
     assert all(engine_crcs[(b, "")] == engine_crcs[(b, ENGINE_VARIANT)] for b in (1, 2)), engine_crcs
     for row in results["engine"]:
@@ -190,6 +195,8 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         profile = row["profile"]
         assert "error" not in profile and profile["top_ops"], profile
         assert profile["steps"] == 7 and profile["step_ms"] == pytest.approx(row["ms_per_step"])
+        if row["variant"] == ENGINE_VARIANT:  # (unrolled, the CPU's copies of an op are kernels of their own)
+            assert profile["timeline"] and profile["timeline"][0]["start_us"] == 0, profile["timeline"]
         assert 0 < profile["covered_ms"] <= profile["busy_ms"] * (1 + 1e-9), profile
         assert profile["launches_per_step"] > 0
     for table_text in ("| TPOT / roofline | host dispatch ms | synced step ms |",
@@ -368,3 +375,22 @@ def test_profile_notes_add_up():
     model_decode.with_graph_note(breakdown, "t")
     assert breakdown["note"] == model_decode.LOOP_GRAPHS_PROFILE_NOTE + "; " + model_decode.GRAPHS_AS_OPS_NOTE
     assert "note" not in model_decode.with_graph_note({"top_ops": [{"op": "fusion.1"}]}, "t")
+
+
+def test_step_timeline_lists_the_shortest_step_between_its_marker_launches():
+    """The timeline: the kernels from one launch of the kernel launched once per step with the longest mean launch
+    (the lm_head's product, whose unrolled copies are two ops; 'norm' also runs once per step but shorter, 'proj'
+    twice) to its next, in start order, times in µs from the step's start; of three steps the shortest (the second:
+    no host gap); none where no kernel runs once per step."""
+    events = []
+    for step, start in enumerate((0.0, 10_000.0, 16_000.0)):  # ns; the first step waits 4 µs for the host
+        late = 4_000.0 if step == 0 else 0.0
+        head = f"dot.{step % 2}"  # a loop unrolled twice: two ops, one kernel
+        events += [(start, 2_000.0, head, "head"), (start + 2_000 + late, 500.0, "norm", "norm"),
+                   (start + 2_600 + late, 1_000.0, "proj", "proj"), (start + 2_700 + late, 900.0, "proj", "proj")]
+    timeline = model_decode.step_timeline(sorted(events), steps=3)
+    assert timeline == [{"op": "dot.1", "kernel": "head", "start_us": 0.0, "us": 2.0},
+                        {"op": "norm", "kernel": "norm", "start_us": 2.0, "us": 0.5},
+                        {"op": "proj", "kernel": "proj", "start_us": 2.6, "us": 1.0},
+                        {"op": "proj", "kernel": "proj", "start_us": 2.7, "us": 0.9}]
+    assert model_decode.step_timeline(sorted(events), steps=4) == []
