@@ -204,7 +204,7 @@ class OpTimes(NamedTuple):
     source: str  # the plane and lines read
     summed_ns: float  # the kernels' durations summed (more than covered_ns where they ran side by side)
     covered_ns: float  # time covered by at least one of the events (their union)
-    events: tuple = ()  # (start ns, duration ns, HLO op, kernel) of every kept event, by start
+    events: tuple  # (start ns, duration ns, HLO op, kernel) of every kept event, by start
 
 
 def step_timeline(events, steps: int) -> list[dict[str, Any]]:
@@ -218,12 +218,10 @@ def step_timeline(events, steps: int) -> list[dict[str, Any]]:
     for _, duration, _, kernel in events:
         launches[kernel].append(duration)
     per_step = [kernel for kernel, durations in launches.items() if len(durations) == steps]
-    if not per_step:
+    if not per_step or steps < 2:  # (one step: no launch of the marker after it)
         return []
     marker = max(per_step, key=lambda kernel: statistics.fmean(launches[kernel]))
     starts = [start for start, _, _, kernel in events if kernel == marker]
-    if len(starts) < 2:
-        return []
     first, end = min(zip(starts, starts[1:]), key=lambda pair: pair[1] - pair[0])
     return [{"op": op, "kernel": kernel, "start_us": (start - first) / 1e3, "us": duration / 1e3}
             for start, duration, op, kernel in events if first <= start < end]
