@@ -8,7 +8,8 @@
 
 Params carry logical axis names (`nn.with_logical_partitioning`); `config.logical_axis_rules` maps them to mesh axes
 (flax semantics: a mesh axis is used at most once per array, earlier rules win). The decode cache has no param
-boxes: its logical axes are declared by the layers that own it (`CACHE_LOGICAL_AXES` in kda.py and mla.py).
+boxes: its logical axes are declared by the layers that own it (`CACHE_LOGICAL_AXES` in kda.py, mla.py and
+decoder.py).
 Multi-host runs call `maybe_initialize_distributed(config)` first: JAX is the distributed engine.
 """
 
@@ -31,13 +32,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText.layers import kda, mla
+from MaxText.layers import decoder, kda, mla
 from MaxText.layers.models import KimiLinearForCausalLM
 
 logger = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
-CACHE_LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {**kda.CACHE_LOGICAL_AXES, **mla.CACHE_LOGICAL_AXES}
+CACHE_LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {**kda.CACHE_LOGICAL_AXES, **mla.CACHE_LOGICAL_AXES,
+                                                          **decoder.CACHE_LOGICAL_AXES}
 
 
 class ShardingError(ValueError):

@@ -239,9 +239,26 @@ def test_norm_and_route_equals_the_norm_and_router_launches(tokens):
         pallas_route.norm_and_route(x, update, scale, kernel[:256], bias, epsilon=1e-5, interpret=True, **kw)
 
 
-def test_unshared_counters_differ_in_length_from_call_to_call():
-    """Each launch's zeroed counters get a length of their own (so that XLA cannot share one zeros buffer among the
-    launches and copy it before each): consecutive calls differ, all zeros, at least the asked count."""
-    lengths = [pallas_route.unshared_counters(4).shape[0] for _ in range(3)]
-    assert len(set(lengths)) == 3 and min(lengths) >= 4
-    assert not np.any(np.asarray(pallas_route.unshared_counters(2)))
+def test_norm_and_route_leaves_its_counters_zeroed():
+    """norm_and_route with `counts` (the decode cache's route_counts) returns them zeroed again beside the same four
+    results, so that the next call can take them as they are: three calls chained through the returned counters
+    all route as one call with fresh zeros (without the reset the second call's token would never see its last
+    count and would not route). A wrong counters shape names what is expected."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    update = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    scale = jnp.ones((256,), jnp.bfloat16)
+    kernel = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.bfloat16)
+    _, bias = _logits(rng, 2, 64)
+    kw = dict(epsilon=1e-5, top_k=4, norm_topk_prob=True, routed_scaling_factor=2.0, interpret=True)
+    route = jax.jit(lambda counts: pallas_route.norm_and_route(x, update, scale, kernel, bias, counts=counts, **kw),
+                    compiler_options=EXACT)
+    want = pallas_route.norm_and_route(x, update, scale, kernel, bias, **kw)
+    counts = jnp.zeros((2,), jnp.int32)
+    for _ in range(3):
+        *got, counts = route(counts)
+        np.testing.assert_array_equal(np.asarray(counts), np.zeros(2, np.int32))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match=r"counts must be int32 \[2\] \(one per token\)"):
+        pallas_route.norm_and_route(x, update, scale, kernel, bias, counts=jnp.zeros((3,), jnp.int32), **kw)

@@ -459,6 +459,37 @@ def test_packed_decode_output_norm_in_the_launch(block_v, dtype):
                                      out_norm_eps=1e-6)
 
 
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_packed_decode_leaves_the_norm_counters_zeroed(block_v):
+    """norm_counts (the KDA decode cache's): given, the output-normed decode returns them as a third result, zero
+    again, beside the same o and pool, so that steps can chain them: three steps through the returned counters
+    equal three with fresh zeros (a head split over value blocks (16) counts on them; without the kernel's reset
+    the second step's heads would never see their last count and stay unnormed). Whole heads (32) and the
+    dispatcher's paths without the kernel's count pass them through; a wrong shape names what is expected."""
+    H, K, V, S = 2, 32, 32, 4
+    rng = np.random.default_rng(22)
+    x = _decode_inputs(rng, 3, H, K, V, S)
+    slots = jnp.asarray([2, -1, 0], jnp.int32)
+    norm = dict(out_gate=jnp.asarray(rng.standard_normal((3, H * V)), jnp.float32),
+                out_norm_scale=jnp.ones((V,), jnp.float32), out_norm_eps=1e-6)
+    step = jax.jit(functools.partial(pallas_ops.packed_decode_kda, num_heads=H, head_dim=K, interpret=True,
+                                     block_v=block_v, **norm))
+    inputs = {name: value for name, value in x.items() if name != "state_pool"}
+    want_pool = got_pool = x["state_pool"]
+    counts = jnp.zeros((3, H), jnp.int32)
+    for _ in range(3):
+        want_o, want_pool = step(**inputs, state_pool=want_pool, slot_indices=slots)
+        got_o, got_pool, counts = step(**inputs, state_pool=got_pool, slot_indices=slots, norm_counts=counts)
+        np.testing.assert_array_equal(np.asarray(counts), np.zeros((3, H), np.int32))
+        np.testing.assert_array_equal(np.asarray(got_o), np.asarray(want_o))
+        np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
+    sentinel = jnp.full((3, H), 7, jnp.int32)  # passed on untouched where nothing counts
+    assert np.all(np.asarray(kda_kernels.packed_decode_kda(
+        **x, slot_indices=slots, num_heads=H, head_dim=K, implementation="naive", norm_counts=sentinel, **norm)[2]) == 7)
+    with pytest.raises(ValueError, match=r"norm_counts must be int32 \[3, 2\] \(rows, heads\)"):
+        step(**x, slot_indices=slots, norm_counts=jnp.zeros((3,), jnp.int32))
+
+
 def test_packed_decode_and_verify_dispatch_to_plain_jax_off_gpu():
     H, K, V, S = 2, 32, 32, 2
     x = _decode_inputs(np.random.default_rng(8), 2, H, K, V, S)

@@ -239,13 +239,14 @@ def test_decoder_input_norm_after_projections(monkeypatch, deferred, model_mode)
 
 
 def test_decoder_routes_in_the_post_attention_norm(monkeypatch):
-    """moe_router_in_norm (default off): the tiny model (bf16) decoding one row with the norms' and the router's
+    """moe_router_in_norm (default on): the tiny model (bf16) decoding one row with the norms' and the router's
     Pallas kernels (interpreted, as on one GPU): each MoE layer's post-attention norm and routing are one
     norm_and_route launch (no add_rms_norm, router product or routing launch of their own; the dense layer keeps
-    add_rms_norm), and the logits are bit for bit those of the separate launches."""
+    add_rms_norm), and the logits are bit for bit those of the separate launches over three steps, each launch
+    taking its counters from the cache's route_counts (one per MoE layer, [1] int32) and leaving them zero."""
     from MaxText.kernels.grouped_matmul import pallas_gmm
     from MaxText.kernels.moe_router import pallas_route
-    assert not pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_router_in_norm  # the default
+    assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_router_in_norm  # the default
     calls = []
 
     def interpreted(module, name, interpret_positional=False):
@@ -279,10 +280,15 @@ def test_decoder_routes_in_the_post_attention_norm(monkeypatch):
             step, updated = step_fn(cache, token)
             cache, token = updated["cache"], jnp.argmax(step, -1).astype(jnp.int32)
             logits.append(step)
-        return jnp.concatenate(logits, axis=1), list(calls), config
+        return jnp.concatenate(logits, axis=1), list(calls), config, cache
 
-    want, separate, config = decode(False)
-    got, fused, _ = decode(True)
+    want, separate, config, separate_cache = decode(False)
+    got, fused, _, cache = decode(True)
+    counters = {name: layer["route_counts"] for name, layer in cache["model"].items() if "route_counts" in layer}
+    assert sorted(counters) == [f"layers_{i}" for i in range(config.first_num_dense_layers,
+                                                              config.num_decoder_layers)]
+    assert all(c.shape == (1,) and c.dtype == jnp.int32 and not np.any(np.asarray(c)) for c in counters.values())
+    assert not any("route_counts" in layer for layer in separate_cache["model"].values())
     moe_layers = config.num_decoder_layers - config.first_num_dense_layers  # one trace of the step
     assert fused.count("norm_and_route") == moe_layers and separate.count("norm_and_route") == 0
     assert (separate.count("add_rms_norm"), fused.count("add_rms_norm")) == (config.num_decoder_layers, 1)

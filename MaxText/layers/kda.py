@@ -11,7 +11,9 @@ Param names follow the HF checkpoint (q_proj, q_conv1d, f_a_proj, A_log, dt_bias
 the `cache` collection, one decode slot per batch row:
   conv_state       [B, W-1, 3*H*K]    the last W-1 pre-convolution q|k|v inputs (activation dtype);
   recurrent_state  [B, S, H, K, V]    float32: a ring of S state slots per row (S = 1 for plain decoding);
-  state_slot       [B] int32          the slot holding the row's committed state (`committed_state(cache)`).
+  state_slot       [B] int32          the slot holding the row's committed state (`committed_state(cache)`);
+  norm_counts      [B, H] int32       zeros (with `kda_decode_out_norm`): the packed decode kernel's counters for its
+                                      output norm, left zero by each launch (no zeros made and copied per step).
 S is fixed when the cache is created (`models.init_cache(config, batch, state_slots)`; a cache created lazily by the
 first prefill has S = 1) and read from the cache's shape. Prefill and one-token decode read and write the committed
 slot only (S = 1: a reshape, so plain decoding costs what it did without the ring). When `kda_kernel` resolves to the
@@ -48,6 +50,7 @@ CACHE_LOGICAL_AXES = {
     "conv_state": ("cache_batch", None, None),
     "recurrent_state": ("cache_batch", None, "kda_heads", None, None),  # [B, S, H, K, V]: the slots of a row together
     "state_slot": ("cache_batch",),
+    "norm_counts": ("cache_batch", None),
     "verify_inputs": ("cache_batch", None, None),
 }
 HEAD_ACTIVATION_AXES = ("batch", "length", "kda_heads", None)  # q, k, v, g, o: [B, T, H, K]
@@ -188,12 +191,14 @@ class KimiDeltaAttention(nn.Module):
                                        for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
             window = jnp.zeros((batch, width - 1, 3 * qkv_dim), dtype)
-            conv_state = state_ring = state_slot = None
+            conv_state = state_ring = state_slot = norm_counts = None
         else:  # created lazily with one ring slot; models.init_cache creates more
             conv_state = self.variable("cache", "conv_state", jnp.zeros, (batch, width - 1, 3 * qkv_dim), dtype)
             state_ring = self.variable("cache", "recurrent_state", jnp.zeros,
                                        (batch, 1, num_heads, head_dim, head_dim), jnp.float32)
             state_slot = self.variable("cache", "state_slot", jnp.zeros, (batch,), jnp.int32)
+            norm_counts = (self.variable("cache", "norm_counts", jnp.zeros, (batch, num_heads), jnp.int32)
+                           if cfg.kda_decode_out_norm else None)
             window = conv_state.value
         # Packed training rows restart the convolution and the recurrence at each document boundary; in prefill,
         # zeroed (left-)padding already leaves the zero state untouched.
@@ -219,13 +224,17 @@ class KimiDeltaAttention(nn.Module):
             ring = state_ring.value
             num_slots = ring.shape[1]
             pool_rows = jnp.arange(batch, dtype=jnp.int32) * num_slots + state_slot.value
-            # With kda_decode_out_norm the kernel also applies the output norm (gate and scale as inputs).
+            # With kda_decode_out_norm the kernel also applies the output norm (gate and scale as inputs), counting
+            # a head's value blocks on the cache's norm_counts.
             out_norm = dict(out_gate=self._out_gate(g_a)[:, 0], out_norm_scale=self._out_norm().scale,
-                            out_norm_eps=cfg.normalization_layer_epsilon) if cfg.kda_decode_out_norm else {}
-            o, pool = kda_kernels.packed_decode_kda(
+                            out_norm_eps=cfg.normalization_layer_epsilon,
+                            norm_counts=norm_counts.value) if cfg.kda_decode_out_norm else {}
+            o, pool, *counts = kda_kernels.packed_decode_kda(
                 mixed_qkv[:, 0], g_raw[:, 0], beta_logit[:, 0], A_log, dt_bias,
                 ring.reshape(batch * num_slots, *ring.shape[2:]), pool_rows, num_heads=num_heads,
                 head_dim=head_dim, implementation=cfg.kda_kernel, **out_norm)  # o: [B, H, V]; pool: [B*S, H, K, V]
+            if counts and not self.is_initializing():
+                norm_counts.value = counts[0]  # zero again, the same buffer (aliased)
             return self._update_cache_and_output(g_a, o[:, None], conv_state, new_window, state_ring,
                                                  pool.reshape(ring.shape), normed=bool(out_norm))
 

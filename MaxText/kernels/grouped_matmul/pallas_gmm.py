@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, PartialRows, as_tuple, check_glu_weights,
                                             finished_rows, glu_output, product_rows, silu_glu)
+from MaxText.kernels import pallas_counts
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
@@ -427,25 +428,15 @@ def _finishing_kernel(groups_ref, rows_ref, kernel_ref, *refs, finish, num_finis
     parts_ref, finish_outputs, counts_ref = refs[0], refs[1:-1], refs[-1]
     ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
     _rowwise_program(ids, groups_ref, (rows_ref, kernel_ref, parts_ref), **options)
-    count_then_finish(counts_ref, ids[0], programs_per_row,
-                      functools.partial(finish, ids[0], parts_ref, *finish_inputs, *finish_outputs),
-                      options["interpret"])
+    pallas_counts.count_then_finish(counts_ref, ids[0], programs_per_row,
+                                    functools.partial(finish, ids[0], parts_ref, *finish_inputs, *finish_outputs),
+                                    options["interpret"])
 
 
 def block_product(x, w):
     """x [BK] times a weight block w [BK, BN] inside a kernel: float32 FMAs of both as stored, reduced over K ->
     [BN] float32 (the `rows` grid's FMA product of one K block)."""
     return jnp.sum(x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
-
-
-def count_then_finish(counts_ref, row, programs_per_row: int, finish, interpret: bool) -> None:
-    """Inside a kernel whose programs each wrote a part of `row`'s result: counts this program done for `row` (one
-    atomic add, acquire and release at GPU scope, after every thread's stores) and runs `finish()` in the row's last
-    program to count, which then sees every part written."""
-    if not interpret:  # every thread's stores before the count (one thread's atomic)
-        pltriton.debug_barrier()
-    done_before = pltriton.atomic_add(counts_ref, row, jnp.int32(1))
-    pl.when(done_before == programs_per_row - 1)(finish)
 
 
 def vector_matrix_partials(rows: jax.Array, kernel: jax.Array, *, block_k: int = 128, block_n: int = 64,

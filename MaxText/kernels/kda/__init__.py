@@ -124,19 +124,25 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     Under a mesh, rows shard over the axes of 'cache_batch' (not 'batch'): the pool is the decode cache, so the
     kernel sees exactly the cache's shards and updates them where they lie; heads over 'kda_heads'. The output norm
     (out_gate, out_norm_scale, out_norm_eps) runs in the kernel's launch on one device, by XLA after it under a mesh.
+    With norm_counts [B, H] int32 zeros (the KDA decode cache's), a third result: them after the call (zero; the
+    one-device Triton kernel counts a head's value blocks on them for that norm, every other path passes them on).
     """
     value_dim = state_pool.shape[-1]
+    args = (mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices)
+    norm_counts = kwargs.pop("norm_counts", None)  # the one-device Triton kernel's; passed through elsewhere
     if resolve(implementation, "decode", head_dim, value_dim) == "pallas":
         kernel_fn = load_pallas().packed_decode_kda
         run = partitioned(kernel_fn, shard_map_packed_decode, rows="cache_batch")
+        if run is kernel_fn:
+            return kernel_fn(*args, num_heads=num_heads, head_dim=head_dim, norm_counts=norm_counts, **kwargs)
         norm = {}  # the output norm's inputs are not sharded with the kernel's: under a mesh XLA applies it after
-        if run is not kernel_fn and kwargs.get("out_norm_eps") is not None:
+        if kwargs.get("out_norm_eps") is not None:
             norm = {name: kwargs.pop(name) for name in ("out_gate", "out_norm_scale", "out_norm_eps")}
-        o, pool = run(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads=num_heads,
-                      head_dim=head_dim, **kwargs)
-        return (apply_output_norm(o, **norm) if norm else o), pool
-    return packed_decode_kda_reference(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
-                                       num_heads=num_heads, head_dim=head_dim, **kwargs)
+        o, pool = run(*args, num_heads=num_heads, head_dim=head_dim, **kwargs)
+        result = (apply_output_norm(o, **norm) if norm else o), pool
+    else:
+        result = packed_decode_kda_reference(*args, num_heads=num_heads, head_dim=head_dim, **kwargs)
+    return result if norm_counts is None else (*result, norm_counts)
 
 
 def recurrent_kda_checkpoints(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from MaxText.kernels import pallas_counts
 from MaxText.kernels.kda.common import L2NORM_EPS, gated_rms_norm, thresholded_softplus
 
 
@@ -116,25 +117,27 @@ def _decode_kernel(qkv_ref, a_ref, b_ref, alog_ref, dtb_ref, slot_ref, pool_ref,
         normalize(o.astype(o_ref.dtype))
         return
     # The head's last value block to finish norms the whole head (its blocks' raw outputs all written: the count is
-    # an atomic read-modify-write, acquire and release at GPU scope, after a CTA barrier over this block's stores).
-    if not interpret:
-        pltriton.debug_barrier()
-    done_before = pltriton.atomic_add(counts_ref, row * H + head, jnp.int32(1))
-    pl.when(done_before == value_blocks - 1)(lambda: normalize(raw_ref[row, head, :]))
+    # an atomic read-modify-write, acquire and release at GPU scope, after a CTA barrier over this block's stores),
+    # then takes the head's counts back to zero.
+    pallas_counts.count_then_finish(counts_ref, row * H + head, value_blocks,
+                                    lambda: normalize(raw_ref[row, head, :]), interpret)
 
 
 def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads, head_dim, scale,
                 gate_in_kernel=True, l2norm_in_kernel=True, beta_logit=True, block_v=32, num_warps=4,
                 columns_fastest=False, out_dtype=None, out_gate=None, out_norm_scale=None, out_norm_eps=None,
-                interpret=False):
+                norm_counts=None, interpret=False):
     """One token per row. Shapes as `packed_decode.packed_decode_kda_reference`; `state_pool` is aliased to the
     second output (donate it, as `decode_step` does, for a true in-place update).
     With gate_in_kernel=False, `a` is the log-decay g itself; with beta_logit=False, `b` is beta itself.
     columns_fastest: `item_grid`'s order.
     out_gate [B, H*V], out_norm_scale [V], out_norm_eps: the output is the KDA output norm
     `common.gated_rms_norm(o, gate, scale, eps)` of o rounded to its dtype (the head's last value block to finish
-    computes it: one launch, no norm kernel after it).
-    Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool).
+    computes it: one launch, no norm kernel after it; a head's blocks count themselves done on int32 counters [B*H]).
+    norm_counts [B, H] int32 zeros: those counters, left zero by the launch (`pallas_counts`), so that a buffer kept
+    between steps (the KDA decode cache's `norm_counts`) needs no zeros made per launch; default: zeros made here.
+    Returns (o [B, H, V] in `out_dtype` (default: mixed_qkv's dtype), the updated pool), with norm_counts given also
+    norm_counts after the launch (zero; the same array where the launch does not count).
     """
     batch = mixed_qkv.shape[0]
     H, K = num_heads, head_dim
@@ -146,12 +149,16 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     inputs = [mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool]
     outputs = [o_type, jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)]
     aliases = {6: 1}
+    if norm_counts is not None and (norm_counts.shape != (batch, H) or norm_counts.dtype != jnp.int32):
+        raise ValueError(f"norm_counts must be int32 [{batch}, {H}] (rows, heads), got {norm_counts.dtype} "
+                         f"{norm_counts.shape}")
+    counting = out_norm_eps is not None and V > block_v
     if out_norm_eps is not None:
         if out_gate is None or out_norm_scale is None:
             raise ValueError("out_norm_eps needs out_gate [B, H*V] and out_norm_scale [V]")
         inputs += [out_gate.reshape(batch, H * V), out_norm_scale.reshape(V)]
-        if V > block_v:  # the head's blocks' raw outputs, and a count of its finished blocks
-            inputs.append(jnp.zeros((batch * H,), jnp.int32))
+        if counting:  # the head's blocks' raw outputs, and a count of its finished blocks
+            inputs.append(jnp.zeros((batch * H,), jnp.int32) if norm_counts is None else norm_counts.reshape(-1))
             outputs += [o_type, jax.ShapeDtypeStruct((batch * H,), jnp.int32)]
             aliases[len(inputs) - 1] = 3
     kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,
@@ -166,7 +173,9 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
         interpret=interpret,
         name="kda_packed_decode",
     )(*inputs)
-    return results[0], results[1]
+    if norm_counts is None:
+        return results[0], results[1]
+    return results[0], results[1], results[3].reshape(batch, H) if counting else norm_counts
 
 
 decode_step = jax.jit(decode_call, donate_argnums=(5,),

@@ -219,7 +219,7 @@ def _mosaic_decode():
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
                       scale: float | None = None, out_dtype=None, interpret: bool = False, kernel: str | None = None,
                       block_v: int | None = None, num_warps: int | None = None, columns_fastest: bool | None = None,
-                      out_gate=None, out_norm_scale=None, out_norm_eps: float | None = None):
+                      out_gate=None, out_norm_scale=None, out_norm_eps: float | None = None, norm_counts=None):
     """Packed single-token decode with the state pool updated in place (seed 004).
 
     mixed_qkv [B, 2*H*K + H*V] (conv output, q | k | v, not yet l2-normed); a [B, H*K] raw gate; b [B, H] raw beta
@@ -231,6 +231,8 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
     `decode_kernel`). block_v, num_warps, columns_fastest: the Triton kernel's tile and launch order (default
     `decode_tile(B)`). out_gate [B, H*V], out_norm_scale [V], out_norm_eps: o is the KDA output norm of it
     (`packed_decode.apply_output_norm`), computed in the Triton kernel's launch (after the Mosaic kernel by XLA).
+    norm_counts [B, H] int32 zeros: the Triton kernel's counters for that norm, kept between steps by the caller
+    (`pallas_decode.decode_call`); given, they come back as a third result (zero).
     """
     layout = check_packed_inputs(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, num_heads, head_dim)
     _check_dims(head_dim, layout.value_dim)
@@ -249,7 +251,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                                out_dtype=out_dtype, interpret=interpret)
         if out_norm_eps is not None:
             o = apply_output_norm(o, out_gate, out_norm_scale, out_norm_eps)
-        return o, pool
+        return (o, pool) if norm_counts is None else (o, pool, norm_counts)
     default_block_v, default_warps, default_order = decode_tile(batch)
     block_v = min(block_v or default_block_v, layout.value_dim)
     return pallas_decode.decode_step(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
@@ -257,7 +259,7 @@ def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices,
                                      num_warps=num_warps or default_warps,
                                      columns_fastest=default_order if columns_fastest is None else columns_fastest,
                                      out_dtype=out_dtype, out_gate=out_gate, out_norm_scale=out_norm_scale,
-                                     out_norm_eps=out_norm_eps, interpret=interpret)
+                                     out_norm_eps=out_norm_eps, norm_counts=norm_counts, interpret=interpret)
 
 
 def _recurrent_options(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,

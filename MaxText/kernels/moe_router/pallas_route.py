@@ -21,13 +21,13 @@ routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block 
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from MaxText.kernels import pallas_counts
 from MaxText.kernels.grouped_matmul import pallas_gmm
 from MaxText.kernels.rms_norm import pallas_norm
 
@@ -124,17 +124,6 @@ def product_and_route(x: jax.Array, kernel: jax.Array, correction_bias: jax.Arra
     return weights, ids
 
 
-_counter_launches = itertools.count()
-
-
-def unshared_counters(num: int) -> jax.Array:
-    """Zeroed int32 counters [num + pad] for one launch that counts its programs in place (aliased): `pad` (0-60)
-    differs from call to call, so that XLA cannot make the launches of a program share one zeros buffer, which it
-    then copies before each launch (a memcpy node on the step's dependent chain: 1.4 us per launch in the 48B
-    Engine's trace, benchmarks/RESULTS.md, twenty-ninth session). The launch reads only the first `num`."""
-    return jnp.zeros((num + next(_counter_launches) % 61,), jnp.int32)
-
-
 def _norm_route_kernel(x_ref, update_ref, scale_ref, kernel_ref, bias_ref, _, normed_ref, summed_ref, parts_ref,
                        weights_ref, ids_ref, counts_ref, *, dim, block, epsilon, block_k, block_n, programs_per_row,
                        route_options, interpret):
@@ -159,22 +148,25 @@ def _norm_route_kernel(x_ref, update_ref, scale_ref, kernel_ref, bias_ref, _, no
     summed_k = pallas_norm.residual_sum(x_ref[token, ks], update_ref[token, ks])  # [BK], as `summed`'s
     normed_k = pallas_norm.scaled_norm(summed_k.astype(F32), inv, scale_ref[ks], normed_ref.dtype)
     parts_ref[k_block, token, cols] = pallas_gmm.block_product(normed_k, kernel_ref[ks, cols])  # [BN]
-    pallas_gmm.count_then_finish(
+    pallas_counts.count_then_finish(
         counts_ref, token, programs_per_row,
         functools.partial(route_token, token, parts_ref, bias_ref, weights_ref, ids_ref, **route_options), interpret)
 
 
 def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kernel: jax.Array,
                    correction_bias: jax.Array, *, epsilon: float, top_k: int, norm_topk_prob: bool,
-                   routed_scaling_factor: float, block_k: int = 128, block_n: int = 64,
-                   interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                   routed_scaling_factor: float, counts: jax.Array | None = None, block_k: int = 128,
+                   block_n: int = 64, interpret: bool = False) -> tuple[jax.Array, ...]:
     """The post-attention norm and the router in ONE launch (config key `moe_router_in_norm`): x, update [N, D]
     (N <= 16), norm_scale [D], the router's kernel [D, E] -> (normed [N, D], summed [N, D], weights [N, k] float32,
     ids [N, k] int32): `rms_norm.pallas_norm.add_rms_norm(x, update, norm_scale, epsilon)` and
     `route_logits(pallas_gmm.vector_matrix_partials(normed, kernel), correction_bias, ...)` (the same partial
     products, summed in the same order), with no launch boundary between the norm and the router's product or
     between that product and the routing: each of the product's programs recomputes its token's 1 / rms (a 2 x D
-    read) and the norm of its K block, and the token's last program to finish routes it (`route_token`)."""
+    read) and the norm of its K block, and the token's last program to finish routes it (`route_token`).
+    counts [N] int32 zeros: the per-token program counters, left zeroed by the launch (`pallas_counts`) and
+    then returned as a fifth result, so that a buffer kept between calls (the decode cache's `route_counts`) serves
+    every call with no zeros made and copied before it; default: zeros made for this call."""
     if x.ndim != 2 or update.shape != x.shape or norm_scale.shape != (x.shape[1],):
         raise ValueError(f"expected x and update [N, D] and norm_scale [D], got {x.shape}, {update.shape} and "
                          f"{norm_scale.shape}")
@@ -189,10 +181,15 @@ def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kerne
     # the product's blocks, as vector_matrix_partials picks them
     block_k, block_n = pallas_gmm.block_for(dim, block_k), pallas_gmm.block_for(num_experts, block_n)
     grid = (num_tokens, num_experts // block_n, dim // block_k)
-    counts = unshared_counters(num_tokens)
+    if counts is None:
+        given, counts = False, jnp.zeros((num_tokens,), jnp.int32)
+    elif counts.shape != (num_tokens,) or counts.dtype != jnp.int32:
+        raise ValueError(f"counts must be int32 [{num_tokens}] (one per token), got {counts.dtype} {counts.shape}")
+    else:
+        given = True
     route_options = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=float(routed_scaling_factor))
     row_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    normed, summed, _, weights, ids, _ = pl.pallas_call(
+    normed, summed, _, weights, ids, counts = pl.pallas_call(
         functools.partial(_norm_route_kernel, dim=dim, block=1 << (dim - 1).bit_length(), epsilon=epsilon,
                           block_k=block_k, block_n=block_n, programs_per_row=grid[1] * grid[2],
                           route_options=route_options, interpret=interpret),
@@ -203,4 +200,4 @@ def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kerne
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="norm_and_route",
     )(x, update, norm_scale, kernel, correction_bias.astype(F32), counts)
-    return normed, summed, weights, ids
+    return (normed, summed, weights, ids, counts) if given else (normed, summed, weights, ids)
