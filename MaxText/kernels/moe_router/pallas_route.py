@@ -12,8 +12,8 @@ routes it (`route_token`, the same code as the routing kernel's programs).
 `norm_and_route` runs the decoder layer's post-attention norm (the residual add too), the product and the routing
 as one launch (config key `moe_router_in_norm`): each product program recomputes its token's norm.
 
-Top-k by rank: each expert's place in the descending order of its choice value (ties to the lower id, as
-`jax.lax.top_k` orders them; naive.route, the oracle) counted over all pairs, then rank i's expert in slot i. Ungrouped
+Top-k by k rounds of (max, lowest expert id holding it, masked out): the experts come out in descending order of
+their choice value and ties go to the lower id, as `jax.lax.top_k` orders them (naive.route, the oracle). Ungrouped
 routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block shapes). Runs under
 `interpret=True` on CPU (the tests do).
 """
@@ -53,46 +53,26 @@ def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, **options):
 
 def route_token(token, logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, norm_topk_prob, scaling):
     """Routes one token inside a kernel: its logits (the sum over logits_ref [S, N, E]'s parts) -> its row of
-    weights_ref / ids_ref [N, k]. Each expert's place in the choice order (`choice_ranks`) picks the k experts at
-    once: three reductions, where k rounds of (max, lowest id holding it) took 2k dependent ones."""
-    num_experts = logits_ref.shape[-1]
-    scores, choice = _scores_and_choice(token, logits_ref, bias_ref, pl.ds(0, num_experts))  # [E], [E]
-    rank = choice_ranks(choice, lambda cols: _scores_and_choice(token, logits_ref, bias_ref, cols)[1])  # [E]
+    weights_ref / ids_ref [N, k]."""
+    logits = logits_ref[0, token, :]  # [E]
+    for part in range(1, logits_ref.shape[0]):  # partial sums of the router's product, in order
+        logits = logits + logits_ref[part, token, :]
+    scores = jax.nn.sigmoid(logits)  # [E]
+    choice = scores + bias_ref[...].astype(F32)  # [E], used only to choose
+    num_experts = scores.shape[0]
     expert = jnp.arange(num_experts, dtype=jnp.int32)
-    picked = rank[None, :] == jnp.arange(top_k, dtype=jnp.int32)[:, None]  # [k, E]: slot i holds rank i's expert
-    ids = jnp.sum(jnp.where(picked, expert[None, :], 0), axis=1)  # [k]
-    weights = jnp.sum(jnp.where(picked, scores[None, :], 0.0), axis=1)  # [k]: the chosen scores, exactly
+    slot = jnp.arange(top_k, dtype=jnp.int32)
+    ids, weights = jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), F32)
+    for i in range(top_k):
+        pick = jnp.min(jnp.where(choice == jnp.max(choice), expert, num_experts))  # the lowest id of the max
+        chosen = expert == pick
+        ids = jnp.where(slot == i, pick, ids)
+        weights = jnp.where(slot == i, jnp.sum(jnp.where(chosen, scores, 0.0)), weights)
+        choice = jnp.where(chosen, -jnp.inf, choice)
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights) + 1e-20)
     weights_ref[token, :] = weights * scaling
     ids_ref[token, :] = ids
-
-
-def _scores_and_choice(token, logits_ref, bias_ref, cols):
-    """sigmoid(logits) and the choice value (+ correction bias) of experts `cols` for `token`, the logits summed
-    over logits_ref's parts in order (any `cols` gives the same bits per expert)."""
-    logits = logits_ref[0, token, cols]
-    for part in range(1, logits_ref.shape[0]):  # partial sums of the router's product, in order
-        logits = logits + logits_ref[part, token, cols]
-    scores = jax.nn.sigmoid(logits)
-    return scores, scores + bias_ref[cols].astype(F32)
-
-
-def choice_ranks(choice, choice_of, chunk: int = 32):
-    """Each expert's place in the descending order of `choice` [E] (float32), ties to the lower id: the order
-    `jax.lax.top_k` returns. `choice_of(cols)` gives the same values for a static slice of experts (read again in
-    chunks of `chunk`: a kernel cannot slice its registers); rank[e] = #{f: choice[f] > choice[e]} + #{f < e:
-    choice[f] == choice[e]}, counted elementwise over [E, chunk] blocks and reduced once."""
-    num_experts = choice.shape[0]
-    chunk = min(chunk, num_experts)
-    expert = jnp.arange(num_experts, dtype=jnp.int32)[:, None]  # [E, 1]
-    ahead = jnp.zeros((num_experts, chunk), jnp.int32)
-    for start in range(0, num_experts, chunk):
-        other = choice_of(pl.ds(start, chunk))[None, :]  # [1, C]
-        other_id = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        mine = choice[:, None]
-        ahead += ((other > mine) | ((other == mine) & (other_id < expert))).astype(jnp.int32)
-    return jnp.sum(ahead, axis=1)
 
 
 def _check(num_experts: int, top_k: int, correction_bias: jax.Array) -> None:
@@ -119,7 +99,7 @@ def route_logits(logits: jax.Array, correction_bias: jax.Array, *, top_k: int, n
         out_shape=(jax.ShapeDtypeStruct((num_tokens, top_k), F32),
                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)),
         grid=(num_tokens,),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="moe_route",
     )(logits.astype(F32), correction_bias.astype(F32))
