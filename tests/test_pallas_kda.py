@@ -484,8 +484,9 @@ def test_packed_decode_leaves_the_norm_counters_zeroed(block_v):
         np.testing.assert_array_equal(np.asarray(got_o), np.asarray(want_o))
         np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
     sentinel = jnp.full((3, H), 7, jnp.int32)  # passed on untouched where nothing counts
-    assert np.all(np.asarray(kda_kernels.packed_decode_kda(
-        **x, slot_indices=slots, num_heads=H, head_dim=K, implementation="naive", norm_counts=sentinel, **norm)[2]) == 7)
+    passed_on = kda_kernels.packed_decode_kda(**x, slot_indices=slots, num_heads=H, head_dim=K,
+                                              implementation="naive", norm_counts=sentinel, **norm)[2]
+    assert np.all(np.asarray(passed_on) == 7)
     with pytest.raises(ValueError, match=r"norm_counts must be int32 \[3, 2\] \(rows, heads\)"):
         step(**x, slot_indices=slots, norm_counts=jnp.zeros((3,), jnp.int32))
 
