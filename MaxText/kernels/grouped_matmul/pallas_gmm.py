@@ -37,9 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from MaxText.kernels import pallas_counts
 from MaxText.kernels.grouped_matmul import (ROWWISE_MAX_ROWS, PartialRows, as_tuple, check_glu_weights,
                                             finished_rows, glu_output, product_rows, silu_glu)
-from MaxText.kernels import pallas_counts
 from MaxText.kernels.pallas_dot import dot
 
 BLOCK_CHOICES = (128, 64, 32, 16)  # block_k / block_n: the largest that divides the dimension (and <= the request)
