@@ -78,6 +78,22 @@ def test_rows_grid_on_tensor_cores_matches_gather(dtype, tol):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= tol
 
 
+@pytest.mark.parametrize("mma", [False, True])
+def test_rows_grid_reads_extra_weights_stored_out_in(mma):
+    """extra_out_in: the extra group's matrix stored [X, N, K] (an out_in model's shared expert) is read transposed:
+    the products equal those with the same matrix stored [X, K, N]; a [X, K, N] array is refused by shape."""
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES["decode, one row per expert"], 64, 48, jnp.float32)
+    extra = jnp.asarray(np.random.default_rng(9).normal(size=(1, 64, 48)) / 8, jnp.float32)  # [1, K, N]
+    row_groups = row_groups.at[3].set(len(sizes))  # one row of the extra group
+    call = functools.partial(pallas_gmm.grouped_matmul, rows, weights, sizes, row_groups, block_k=32, split_k=2,
+                             rows_mma=mma, interpret=True)
+    want = call(extra_weights=extra)
+    got = call(extra_weights=jnp.swapaxes(extra, 1, 2), extra_out_in=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"expected one extra weight array \[X, 48, 64\] per weight array"):
+        call(extra_weights=extra, extra_out_in=True)
+
+
 def test_pallas_interpret_matches_gather_bf16_prefill_tiles():
     sizes = GROUP_SIZES["uneven, empty groups, groups over block_m"] * 12  # 1200 rows: block_m 64
     rows, weights, sizes, row_groups = _problem(sizes, 128, 64, jnp.bfloat16, seed=1)

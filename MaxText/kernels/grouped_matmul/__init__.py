@@ -171,12 +171,13 @@ def product_rows(rows, rows_per_token: int, extra_rows: bool) -> int:
 def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None,
                    rows_one_launch: bool = False, glu: bool = False, rows_per_token: int = 0,
-                   partial_rows: bool = False):
+                   partial_rows: bool = False, extra_out_in: bool = False):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
-    and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1, on the
-    Pallas `rows` grid only (`extra_groups_supported`; pallas_gmm.grouped_matmul). rows_mma: whether the Pallas
+    and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1 (stored
+    [X, N, K] with extra_out_in: read transposed), on the Pallas `rows` grid only (`extra_groups_supported`;
+    pallas_gmm.grouped_matmul). rows_mma: whether the Pallas
     `rows` grid multiplies on the tensor cores (None: its default, `pallas_gmm.default_tiles`); rows_one_launch:
     whether it multiplies by every array in one launch. glu: `weights` is (gate, up); returns the one array
     glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products).
@@ -204,7 +205,7 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
         return pallas_gmm.grouped_matmul(rows, weights if several else weights[0], group_sizes, row_groups,
                                          extra_weights=extra_weights, rows_mma=rows_mma,
                                          rows_one_launch=rows_one_launch, glu=glu, rows_per_token=rows_per_token,
-                                         partial_rows=partial_rows)
+                                         partial_rows=partial_rows, extra_out_in=extra_out_in)
     product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
                if chosen == "ragged_dot" else
                functools.partial(gather_matmul, row_groups=row_groups, precision=precision))

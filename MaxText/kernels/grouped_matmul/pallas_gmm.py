@@ -157,12 +157,13 @@ def _rowwise_kernel(groups_ref, *refs, **options):
 
 
 def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_inputs, num_weights, num_groups, mma,
-                     glu, partial_rows, rows_per_token, listed_rows, interpret):
+                     glu, partial_rows, rows_per_token, listed_rows, interpret, extra_out_in=False):
     """One program of the `rows` grid, ids = (row, column block, K split). refs: `num_inputs` row refs (the rows, or
     with partial_rows the parts [S, M, K] of PartialRows), then `num_weights` weight refs, then (with extra weights) one
     extra weight ref per weight, then the outputs (one per weight; glu: one). Each program multiplies its row by
     every weight array's [K / split_k, block_n] block in one loop over K (the row loaded once for all); a row of
-    group g >= num_groups uses the extra weights' matrix g - num_groups, and rows past the `listed_rows` of
+    group g >= num_groups uses the extra weights' matrix g - num_groups (stored [X, N, K] with extra_out_in: its
+    [block_n, BK] blocks multiplied transposed), and rows past the `listed_rows` of
     groups_ref (None: all) are of group num_groups. rows_per_token > 0: the rows are tokens, row r < T *
     rows_per_token reads token r // rows_per_token and the extra rows after them token r - T * rows_per_token
     (`token_rows`). mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0 (zeros
@@ -192,18 +193,19 @@ def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_i
         return finished_rows([sum(ref[s, source, ks].astype(jnp.float32) for s in range(ref.shape[0]))
                               for ref in row_refs], dtype)
 
-    def body(weight_refs, matrix, kb, accs):
+    def body(weight_refs, matrix, transposed, kb, accs):
         ks = pl.ds(pl.multiple_of((split * k_blocks + kb) * block_k, block_k), block_k)
         x = load_row(ks)  # [BK]
-        if mma:
+        blocks = [w_ref[matrix, cols, ks] if transposed else w_ref[matrix, ks, cols] for w_ref in weight_refs]
+        if mma:  # blocks [BN, BK] (transposed) or [BK, BN]
             tile = jnp.where(first_row, x[None, :], jnp.zeros((), x.dtype))  # [16, BK]: the row, then zeros
-            return tuple(acc + dot(tile, w_ref[matrix, ks, cols], precise=precise, interpret=interpret)  # [16, BN]
-                         for acc, w_ref in zip(accs, weight_refs))
-        return tuple(acc + block_product(x, w_ref[matrix, ks, cols]) for acc, w_ref in zip(accs, weight_refs))
+            return tuple(acc + dot(tile, w, trans_b=transposed, precise=precise, interpret=interpret)  # [16, BN]
+                         for acc, w in zip(accs, blocks))
+        return tuple(acc + block_product(x, w.T if transposed else w) for acc, w in zip(accs, blocks))
 
-    def multiply(weight_refs, matrix):
+    def multiply(weight_refs, matrix, transposed=False):
         acc_shape = (MMA_ROWS, block_n) if mma else (block_n,)
-        accs = lax.fori_loop(0, k_blocks, functools.partial(body, weight_refs, matrix),
+        accs = lax.fori_loop(0, k_blocks, functools.partial(body, weight_refs, matrix, transposed),
                              tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weight_refs))
         accs = tuple(jnp.sum(acc, axis=0) for acc in accs) if mma else accs  # [BN] each
         for acc, out_ref in zip((silu_glu(*accs),) if glu else accs, out_refs):
@@ -214,7 +216,7 @@ def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_i
         return
     extra = group >= num_groups
     pl.when(jnp.logical_not(extra))(functools.partial(multiply, w_refs, group))
-    pl.when(extra)(functools.partial(multiply, extra_refs, group - num_groups))
+    pl.when(extra)(functools.partial(multiply, extra_refs, group - num_groups, extra_out_in))
 
 
 def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
@@ -222,7 +224,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
                    rows_mma: bool | None = None, glu: bool = False, pad_rows: bool = True, extra_weights=None,
-                   rows_per_token: int = 0, partial_rows: bool = False, interpret: bool = False):
+                   rows_per_token: int = 0, partial_rows: bool = False, extra_out_in: bool = False,
+                   interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -246,7 +249,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     extra_weights: on the `rows` grid (M <= rowwise_max_rows), one [X, K, N] array per weight array (a tuple when
     `weights` is one): a row of group E + x (row_groups up to E + X - 1) is multiplied by extra matrix x, e.g. an
     MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
-    the [E, K, N] arrays). Forward only (decode).
+    the [E, K, N] arrays). Forward only (decode). extra_out_in: the extra arrays are stored [X, N, K] (e.g. a
+    shared expert's kernels in a dense_kernel_layout out_in model) and read transposed, without a copy.
     pad_rows: the `tiles` grid pads the rows by block_m so that every tile's row block lies inside the buffer; False
     reads and writes a single group of fewer than block_m rows with masks instead (no pad kernel before the launch).
     Forward only (the package's `grouped_matmul` documents them): rows as `PartialRows` (finished as each row is
@@ -268,7 +272,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     else:
         extras = as_tuple(extra_weights)[0] if extra_weights is not None else ()
         outs = _launch(rows, weights, group_sizes, row_groups, extra_weights=extras, rows_per_token=rows_per_token,
-                       partial_rows=partial_rows, **dict(options))
+                       partial_rows=partial_rows, extra_out_in=extra_out_in, **dict(options))
     return outs if several and not glu else outs[0]
 
 
@@ -297,9 +301,10 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
             rowwise_max_rows, rows_one_launch, rows_mma, glu, pad_rows, interpret, extra_weights=(),
-            rows_per_token=0, partial_rows=False):
-    """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, `rows` grid
-    only) -> a tuple of [M, N] products (glu: one array; partial_rows: PartialRows where they need finishing)."""
+            rows_per_token=0, partial_rows=False, extra_out_in=False):
+    """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, [X, N, K]
+    with extra_out_in, `rows` grid only) -> a tuple of [M, N] products (glu: one array; partial_rows: PartialRows
+    where they need finishing)."""
     num_rows = product_rows(rows, rows_per_token, bool(extra_weights))
     contract = rows.shape[1]
     num_groups, _, out_dim = weights[0].shape
@@ -312,10 +317,11 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         raise ValueError(f"expected weights [E, {contract}, N] (all of one shape), group_sizes [E] and row_groups "
                          f"[{num_rows}] (with extra weights: at least one row), got {[w.shape for w in weights]}, "
                          f"{group_sizes.shape} and {row_groups.shape}")
+    extra_shape = (out_dim, contract) if extra_out_in else (contract, out_dim)
     if extra_weights and (len(extra_weights) != len(weights)
-                          or any(x.ndim != 3 or x.shape[1:] != (contract, out_dim) for x in extra_weights)):
-        raise ValueError(f"expected one extra weight array [X, {contract}, {out_dim}] per weight array, got "
-                         f"{[x.shape for x in extra_weights]} for {len(weights)}")
+                          or any(x.ndim != 3 or x.shape[1:] != extra_shape for x in extra_weights)):
+        raise ValueError(f"expected one extra weight array [X, {extra_shape[0]}, {extra_shape[1]}] per weight array"
+                         f" (extra_out_in={extra_out_in}), got {[x.shape for x in extra_weights]} for {len(weights)}")
     rows_grid_only = [name for name, used in (("extra_weights", bool(extra_weights)),
                                               ("rows_per_token", rows_per_token)) if used]
     if rows_grid_only and num_rows > rowwise_max_rows:
@@ -345,7 +351,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
                                  params=params, one_launch=rows_one_launch, mma=rows_mma, glu=glu_in_kernel,
                                  interpret=interpret, extra_weights=extra_weights, num_rows=num_rows,
-                                 rows_per_token=rows_per_token)
+                                 rows_per_token=rows_per_token, extra_out_in=extra_out_in)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers,
@@ -382,23 +388,25 @@ def _partial_dtype(rows_dtype, split_k: int):
 
 
 def _rowwise_options(rows, weights, row_groups, *, block_k, block_n, split_k, one_launch, mma, glu, num_rows,
-                     rows_per_token, interpret) -> dict:
+                     rows_per_token, interpret, extra_out_in=False) -> dict:
     """`_rowwise_program`'s options for a `rows` grid launch (as `_rowwise_partials` takes its arguments)."""
     listed = row_groups.shape[0]
     return dict(block_k=block_k, block_n=block_n, k_blocks=rows.shape[1] // block_k // split_k,
                 num_inputs=len(rows.parts) if isinstance(rows, PartialRows) else 1,
                 num_weights=len(weights) if one_launch else 1, num_groups=weights[0].shape[0], mma=mma, glu=glu,
                 partial_rows=isinstance(rows, PartialRows), rows_per_token=rows_per_token,
-                listed_rows=None if listed == num_rows else listed, interpret=interpret)
+                listed_rows=None if listed == num_rows else listed, interpret=interpret, extra_out_in=extra_out_in)
 
 
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
-                      mma=False, glu=False, extra_weights=(), num_rows=None, rows_per_token=0, out_dtype=None):
+                      mma=False, glu=False, extra_weights=(), num_rows=None, rows_per_token=0, out_dtype=None,
+                      extra_out_in=False):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
     rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (glu, one_launch
     and split_k 1 only: one silu_glu output instead). extra_weights: () or one [X, K, N] array per weight array, for
-    rows of groups E...E+X-1. rows: an array or PartialRows; num_rows: the product rows M (default rows');
-    rows_per_token: `grouped_matmul`'s; out_dtype: the products' (default `_partial_dtype`)."""
+    rows of groups E...E+X-1 ([X, N, K] with extra_out_in). rows: an array or PartialRows; num_rows: the product
+    rows M (default rows'); rows_per_token: `grouped_matmul`'s; out_dtype: the products' (default
+    `_partial_dtype`)."""
     num_rows = num_rows or rows.shape[0]
     out_dim = weights[0].shape[2]
     per_launch = len(weights) if one_launch else 1
@@ -406,7 +414,7 @@ def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, p
     out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), out_dtype or _partial_dtype(rows.dtype, split_k))
     options = _rowwise_options(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
                                one_launch=one_launch, mma=mma, glu=glu, num_rows=num_rows,
-                               rows_per_token=rows_per_token, interpret=interpret)
+                               rows_per_token=rows_per_token, interpret=interpret, extra_out_in=extra_out_in)
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, **options),
         out_shape=(out_shape,) * (1 if glu else per_launch),
