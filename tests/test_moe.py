@@ -165,28 +165,29 @@ def test_dispatch_flops_grow_with_top_k_not_with_expert_count():
 
 
 
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
 @pytest.mark.parametrize("num_tokens,merged", [(3, True), (4, False)])
-def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeypatch):
+def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, layout, monkeypatch):
     """moe_shared_in_routed: where the Pallas rows grid takes all N*(k+1) rows (3 tokens x (top-4 + 1) = 15 <= 16),
-    the shared expert runs as one more row per token in the routed launches (both carry extra weights) and the MoE's
-    output is unchanged; 4 tokens (20 rows) keep the separate shared MLP. Same params either way."""
+    the shared expert runs as one more row per token in the routed launches (both carry extra weights: its kernels
+    as stored, [out, in] ones read transposed) and the MoE's output is unchanged; 4 tokens (20 rows) keep the
+    separate shared MLP. Same params either way."""
     from MaxText.kernels import grouped_matmul as gmm
     from MaxText.kernels.grouped_matmul import pallas_gmm
     options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
                    topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
-                   kda_layers=[1], mla_layers=[], dense_kernel_layout="in_out")
+                   kda_layers=[1], mla_layers=[], dense_kernel_layout=layout)
     plain = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": False})
     assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_shared_in_routed  # the default
     rows_config = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": True})
-    # The shared expert's kernels stored [out, in] (dense_kernel_layout out_in, the default) stay a separate MLP.
-    out_in = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "moe_shared_in_routed": True,
-                                                              "dense_kernel_layout": "out_in"})
     monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")  # as on one GPU, the kernel in interpret mode
-    assert shared_rows_fit(rows_config, 3) and not shared_rows_fit(out_in, 3)
+    assert shared_rows_fit(rows_config, 3) and not shared_rows_fit(plain, 3)
     interpreted, extras = functools.partial(pallas_gmm.grouped_matmul, interpret=True), []
 
-    def recorded(*args, **kwargs):  # which launches carry extra weights
-        extras.append(kwargs.get("extra_weights") is not None)
+    def recorded(*args, **kwargs):  # the extra weights' shapes and layout in each launch
+        extra = kwargs.get("extra_weights")
+        shapes = None if extra is None else tuple(w.shape for w in gmm.as_tuple(extra)[0])
+        extras.append(shapes and (shapes, kwargs["extra_out_in"]))
         return interpreted(*args, **kwargs)
     monkeypatch.setattr(pallas_gmm, "grouped_matmul", recorded)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(1, num_tokens, 32)), jnp.float32)
@@ -196,7 +197,11 @@ def test_shared_expert_as_rows_of_the_routed_kernels(num_tokens, merged, monkeyp
         extras.clear()
         got = MoE(rows_config).apply(params, x)
     assert gmm.extra_groups_supported("pallas", jnp.float32, 32, 16, num_tokens * 5) == merged
-    assert extras == [merged, merged]  # the routed experts' two launches (gate + up, down)
+    gate_up, down = ((1, 32, 16), (1, 32, 16)), ((1, 16, 32),)  # [1, D, I] / [1, I, D] as stored in_out
+    if layout == "out_in":
+        gate_up, down = ((1, 16, 32), (1, 16, 32)), ((1, 32, 16),)
+    out_in = layout == "out_in"
+    assert extras == ([(gate_up, out_in), (down, out_in)] if merged else [None, None])  # gate + up, down launches
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -92,16 +92,18 @@ class RoutedExperts(nn.Module):
         else:  # in token order: each row meets its own expert's weights whatever the order
             row_experts = pair_experts
             rows = x.astype(dtype) if fused_inputs else jnp.repeat(x.astype(dtype), top_k, axis=0)  # [N or N*k, D]
-        extra = None
+        extra, out_in = None, cfg.dense_kernel_layout == "out_in"
         if shared_kernels is not None:  # the shared expert: group E, rows N*k ... N*k + N - 1 (one per token)
             if not fused_inputs:
                 rows = jnp.concatenate([rows, x.astype(dtype)])  # [N*(k+1), D]
                 row_experts = jnp.concatenate([row_experts, jnp.full((num_tokens,), num_experts, row_experts.dtype)])
-            extra = tuple(kernel[None] for kernel in shared_kernels)  # [1, D, I], [1, D, I], [1, I, D]
+            # as stored: [1, D, I], [1, D, I], [1, I, D], or out_in [1, I, D], [1, I, D], [1, D, I] (.T undoes
+            # create_kernel's: the kernel reads the params in place, transposed)
+            extra = tuple((kernel.T if out_in else kernel)[None] for kernel in shared_kernels)
 
         def matmul(lhs, w, extra_weights, **options):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
-                                  precision=precision, extra_weights=extra_weights,
+                                  precision=precision, extra_weights=extra_weights, extra_out_in=out_in,
                                   rows_mma=ROWS_MMA[cfg.moe_rows_product], **options)
 
         # SiLU(rows Wg) * rows Wu [rows, I] (Pallas: in the gate and up kernel where one program holds both products;
@@ -123,9 +125,9 @@ class RoutedExperts(nn.Module):
 
 def shared_rows_fit(config: ml_collections.FrozenConfigDict, num_tokens: int) -> bool:
     """Whether the MoE runs its shared expert as rows of the routed experts' launches for `num_tokens` tokens:
-    `moe_shared_in_routed`, one shared expert (the routed experts' shape) stored [in, out] as the routed experts
-    (dense_kernel_layout in_out), and the Pallas `rows` grid for all N*(k+1) rows."""
-    return (config.moe_shared_in_routed and config.shared_experts == 1 and config.dense_kernel_layout == "in_out"
+    `moe_shared_in_routed`, one shared expert (the routed experts' shape; its kernels read as stored, either
+    dense_kernel_layout), and the Pallas `rows` grid for all N*(k+1) rows."""
+    return (config.moe_shared_in_routed and config.shared_experts == 1
             and extra_groups_supported(config.moe_grouped_matmul, config.dtype, config.emb_dim, config.moe_mlp_dim,
                                        num_tokens * (config.num_experts_per_tok + 1)))
 
