@@ -49,12 +49,14 @@ def abstract_mesh(**sizes) -> jax.sharding.AbstractMesh:
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_engine_and_train_step_equal_single_device(report, mesh):
-    """engine.logits, 16 greedy tokens, one train step's loss and updated params: sharded == 1 device (fp32)."""
+    """engine.logits, 16 greedy tokens, one train step's loss, gradients (Adam's first moments, relative to each
+    param's largest) and updated params: sharded == 1 device (fp32)."""
     result = report["meshes"][mesh]
     assert result["logits_diff"] <= TOLERANCE, result
     assert result["tokens_equal"], result
     assert result["loss_diff"] <= TOLERANCE, result
     assert result["params_diff"] <= TOLERANCE, result
+    assert result["grads_rel_diff"] <= TOLERANCE, result
     assert result["engine_param_placement"] == [] and result["train_state_placement"] == [], result
     named = dict(part.split("=") for part in mesh.split(" x "))
     assert {axis: size for axis, size in result["mesh"].items() if size > 1} == {a: int(n) for a, n in named.items()}
