@@ -177,10 +177,10 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1 (stored
     [X, N, K] with extra_out_in: read transposed), on the Pallas `rows` grid only (`extra_groups_supported`;
-    pallas_gmm.grouped_matmul). rows_mma: whether the Pallas
-    `rows` grid multiplies on the tensor cores (None: its default, `pallas_gmm.default_tiles`); rows_one_launch:
-    whether it multiplies by every array in one launch. glu: `weights` is (gate, up); returns the one array
-    glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it inside where one program holds both products).
+    pallas_gmm.grouped_matmul). rows_mma: whether the Pallas `rows` grid multiplies on the tensor cores (None: its
+    default, `pallas_gmm.default_tiles`); rows_one_launch: whether it multiplies by every array in one launch. glu:
+    `weights` is (gate, up); returns the one array glu_output(rows @ gate, rows @ up) (the Pallas kernel applies it
+    inside where one program holds both products).
 
     Inputs the Pallas `rows` grid reads as they are (elsewhere they are expanded first, with the same result):
     rows may be `PartialRows` (the previous call's unsummed products); rows_per_token > 0: `rows` [T, K] are
