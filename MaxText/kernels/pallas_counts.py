@@ -13,9 +13,21 @@ twenty-ninth session).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+
+def counters(counts: jax.Array | None, shape: tuple[int, ...], name: str, meaning: str) -> jax.Array:
+    """A launch's int32 counters of `shape`: the caller's (a buffer kept between launches, checked: an error naming
+    `name`, the expected shape with its `meaning` and what was given) or, for None, zeros made for this launch."""
+    if counts is None:
+        return jnp.zeros(shape, jnp.int32)
+    if counts.shape != tuple(shape) or counts.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32 [{', '.join(map(str, shape))}] ({meaning}), got {counts.dtype} "
+                         f"{counts.shape}")
+    return counts
 
 
 def count_then_finish(counts_ref, item, programs_per_item: int, finish, interpret: bool) -> None:

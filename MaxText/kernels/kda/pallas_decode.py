@@ -149,16 +149,14 @@ def decode_call(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, nu
     inputs = [mixed_qkv, a, b, A_log.reshape(H), dt_bias.reshape(H * K), slot_indices.astype(jnp.int32), state_pool]
     outputs = [o_type, jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)]
     aliases = {6: 1}
-    if norm_counts is not None and (norm_counts.shape != (batch, H) or norm_counts.dtype != jnp.int32):
-        raise ValueError(f"norm_counts must be int32 [{batch}, {H}] (rows, heads), got {norm_counts.dtype} "
-                         f"{norm_counts.shape}")
+    counts = pallas_counts.counters(norm_counts, (batch, H), "norm_counts", "rows, heads")
     counting = out_norm_eps is not None and V > block_v
     if out_norm_eps is not None:
         if out_gate is None or out_norm_scale is None:
             raise ValueError("out_norm_eps needs out_gate [B, H*V] and out_norm_scale [V]")
         inputs += [out_gate.reshape(batch, H * V), out_norm_scale.reshape(V)]
         if counting:  # the head's blocks' raw outputs, and a count of its finished blocks
-            inputs.append(jnp.zeros((batch * H,), jnp.int32) if norm_counts is None else norm_counts.reshape(-1))
+            inputs.append(counts.reshape(-1))
             outputs += [o_type, jax.ShapeDtypeStruct((batch * H,), jnp.int32)]
             aliases[len(inputs) - 1] = 3
     kernel = functools.partial(_decode_kernel, num_heads=H, head_k=K, head_v=V, block_v=block_v, scale=scale,

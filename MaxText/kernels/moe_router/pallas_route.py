@@ -181,12 +181,7 @@ def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kerne
     # the product's blocks, as vector_matrix_partials picks them
     block_k, block_n = pallas_gmm.block_for(dim, block_k), pallas_gmm.block_for(num_experts, block_n)
     grid = (num_tokens, num_experts // block_n, dim // block_k)
-    if counts is None:
-        given, counts = False, jnp.zeros((num_tokens,), jnp.int32)
-    elif counts.shape != (num_tokens,) or counts.dtype != jnp.int32:
-        raise ValueError(f"counts must be int32 [{num_tokens}] (one per token), got {counts.dtype} {counts.shape}")
-    else:
-        given = True
+    given, counts = counts is not None, pallas_counts.counters(counts, (num_tokens,), "counts", "one per token")
     route_options = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=float(routed_scaling_factor))
     row_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     normed, summed, _, weights, ids, counts = pl.pallas_call(
