@@ -156,7 +156,7 @@ def _norm_route_kernel(x_ref, update_ref, scale_ref, kernel_ref, bias_ref, _, no
 def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kernel: jax.Array,
                    correction_bias: jax.Array, *, epsilon: float, top_k: int, norm_topk_prob: bool,
                    routed_scaling_factor: float, counts: jax.Array | None = None, block_k: int = 128,
-                   block_n: int = 64, interpret: bool = False) -> tuple[jax.Array, ...]:
+                   block_n: int = 64, num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, ...]:
     """The post-attention norm and the router in ONE launch (config key `moe_router_in_norm`): x, update [N, D]
     (N <= 16), norm_scale [D], the router's kernel [D, E] -> (normed [N, D], summed [N, D], weights [N, k] float32,
     ids [N, k] int32): `rms_norm.pallas_norm.add_rms_norm(x, update, norm_scale, epsilon)` and
@@ -166,7 +166,8 @@ def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kerne
     read) and the norm of its K block, and the token's last program to finish routes it (`route_token`).
     counts [N] int32 zeros: the per-token program counters, left zeroed by the launch (`pallas_counts`) and
     then returned as a fifth result, so that a buffer kept between calls (the decode cache's `route_counts`) serves
-    every call with no zeros made and copied before it; default: zeros made for this call."""
+    every call with no zeros made and copied before it; default: zeros made for this call. block_k, block_n: the
+    product's blocks (as `vector_matrix_partials` picks them); num_warps: each program's (benchmarks/moe_chain.py)."""
     if x.ndim != 2 or update.shape != x.shape or norm_scale.shape != (x.shape[1],):
         raise ValueError(f"expected x and update [N, D] and norm_scale [D], got {x.shape}, {update.shape} and "
                          f"{norm_scale.shape}")
@@ -192,7 +193,7 @@ def norm_and_route(x: jax.Array, update: jax.Array, norm_scale: jax.Array, kerne
                    jax.ShapeDtypeStruct((num_tokens, top_k), F32),
                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32), jax.ShapeDtypeStruct(counts.shape, jnp.int32)),
         grid=grid, input_output_aliases={5: 5},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="norm_and_route",
     )(x, update, norm_scale, kernel, correction_bias.astype(F32), counts)
     return (normed, summed, weights, ids, counts) if given else (normed, summed, weights, ids)
