@@ -3,20 +3,21 @@ launches' options.
 
     python benchmarks/moe_chain.py [--layers 26] [--pool 16] [--sweep] [--out DIR]
 
-Why: in the 48B batch-1 decode step the MoE sublayer is ~45 of a KDA layer's ~77 µs, its experts' launches stream
-their weights at ~80% of the copy bandwidth and the router's launch takes ~7 µs for 1.2 MB (benchmarks/RESULTS.md,
-issue 8), and a launch's speed alone differs from its speed in the step's dependent chain. Each layer here is one
-token's MoE sublayer with the defaults (`moe_router_in_norm`, `moe_rows_fused_inputs`, `moe_shared_in_routed`): the
-residual add, post-attention norm, router product and routing in one launch (`pallas_route.norm_and_route`, 256
-experts, its counters passed along the chain as the decode cache's are), the gate / up launch (8 routed rows + the
-shared expert's row, SiLU(gate) * up left to the down launch's loads) and the down launch, then the rows' weighted sum
-added to the residual. The router's correction bias makes each layer choose among its own --pool experts (the weights
-together far larger than the GPU's L2). The chain runs once per jitted call, with the CUDA-graph order of the decode
-programs (`decode_graph_scheduling: concurrent`). Layouts:
+Why: in the 48B batch-1 decode step the MoE sublayer is ~45 of a KDA layer's ~77 µs, its experts' launches stream their
+weights at ~80% of the copy bandwidth and the router's launch takes ~7 µs for 1.2 MB (benchmarks/RESULTS.md, issue 8),
+and a launch's speed alone differs from its speed in the step's dependent chain. Each layer here is one token's MoE
+sublayer with the defaults (`moe_router_in_norm`, `moe_rows_fused_inputs`, `moe_shared_in_routed`): the residual add,
+post-attention norm, router product and routing in one launch (`pallas_route.norm_and_route`, 256 experts, its counters
+passed along the chain as the decode cache's are), the gate / up launch (8 routed rows + the shared expert's row,
+SiLU(gate) * up left to the down launch's loads) and the down launch, then the rows' weighted sum added to the residual.
+The router's correction bias makes each layer choose among its own --pool experts, ids 2 ... pool + 1 (the weights
+together far larger than the GPU's L2; the ids need no arithmetic before either layout's launches). The chain runs once
+per jitted call, with the CUDA-graph order of the decode programs (`decode_graph_scheduling: concurrent`).
+Layouts:
   in_out  the routed experts' params as stored today, [E, K, N]; the shared expert's [N, K] (dense_kernel_layout
           out_in) read transposed as the extra group: the production call;
   out_in  every expert stored [N, K] (HF's layout) and read transposed: the routed experts and the shared one as
-          extra groups behind one empty group (what a routed-expert param layout [E, N, K] would read).
+          extra groups behind one unused group (what a routed-expert param layout [E, N, K] would read).
 Time = median seconds per call (kda_kernels.time_jax) / layers. Every chain is checked layer by layer against float32
 (HIGHEST) from the same layer input: the norm and the routing as `rms_norm.naive` / `moe_router.naive` compute them,
 each expert's rows gathered; max abs error relative to the largest value <= 5e-2 (bf16 rounding). On CPU the kernels
@@ -57,17 +58,19 @@ DOWN_SWEEP = (dict(block_n=32), dict(block_n=128), dict(num_stages=4), dict(spli
 
 def make_layer(key, dim: int, inner: int, pool: int) -> dict:
     """One layer's params, bf16 N(0, 1 / K) matrices: the experts (the shared one and `pool` routed ones, stored both
-    ways), the router (256 experts; correction bias +1 on the first `pool`, so that they are the ones chosen), the
+    ways), the router (256 experts; correction bias +1 on ids 2 ... pool + 1, so that they are the ones chosen), the
     post-attention norm's scale, and the attention output added to the residual before it."""
     keys = jax.random.split(key, 6)
     layer = {}
     for name, (rows, cols), k in zip(("gate", "up", "down"), ((inner, dim), (inner, dim), (dim, inner)), keys):
         out_in = (jax.random.normal(k, (1 + pool, rows, cols), jnp.float32) / np.sqrt(cols)).astype(BF16)
-        layer[name] = out_in  # [1 + pool, N, K]: the shared expert first
+        layer[name] = out_in  # [1 + pool, N, K]: the shared expert, then expert id i at i - 1
         layer[name + "_shared"] = out_in[:1].copy()  # [1, N, K]
-        layer[name + "_routed"] = jnp.swapaxes(out_in[1:], 1, 2).copy()  # [pool, K, N]
+        # [2 + pool, K, N]: expert id i at i (ids 0 and 1, never chosen, hold copies of the shared expert)
+        layer[name + "_routed"] = jnp.swapaxes(jnp.concatenate([out_in[:1], out_in]), 1, 2).copy()
     layer["router"] = (jax.random.normal(keys[3], (dim, NUM_EXPERTS), jnp.float32) / np.sqrt(dim)).astype(BF16)
-    layer["bias"] = jnp.where(jnp.arange(NUM_EXPERTS) < pool, 1.0, 0.0).astype(jnp.float32)
+    chosen = (jnp.arange(NUM_EXPERTS) >= 2) & (jnp.arange(NUM_EXPERTS) < pool + 2)
+    layer["bias"] = jnp.where(chosen, 1.0, 0.0).astype(jnp.float32)
     layer["scale"] = (1.0 + 0.1 * jax.random.normal(keys[4], (dim,))).astype(BF16)
     layer["update"] = jax.random.normal(keys[5], (1, dim)).astype(BF16)
     return layer
@@ -79,11 +82,11 @@ def experts(h, layer, ids, weights, layout: str, gate_up: dict, down: dict, inte
         matrices = (layer["gate_routed"], layer["up_routed"], layer["down_routed"])
         extras = (layer["gate_shared"], layer["up_shared"], layer["down_shared"])
         groups = ids
-    elif layout == "out_in":  # one empty group; routed expert e is extra group 1 + e, the shared row extra group 0
+    elif layout == "out_in":  # one unused group: expert id i is extra matrix i - 1, the shared row's extra matrix 0
         dim, inner = h.shape[1], layer["gate"].shape[1]
         matrices = (jnp.zeros((1, dim, inner), BF16),) * 2 + (jnp.zeros((1, inner, dim), BF16),)
         extras = (layer["gate"], layer["up"], layer["down"])
-        groups = ids + 2
+        groups = ids
     else:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
     sizes = jnp.zeros((matrices[0].shape[0],), jnp.int32)  # (the rows grid reads the groups, not the sizes)
@@ -119,7 +122,7 @@ def reference_layer(x, layer) -> jax.Array:
     weights, ids = route(jax.nn.sigmoid(logits), layer["bias"], top_k=TOP_K, n_groups=1, top_k_groups=1,
                          norm_topk_prob=True, routed_scaling_factor=SCALING)  # [1, k]
     h = normed[0].astype(jnp.float32)
-    rows = jnp.concatenate([ids[0] + 1, jnp.zeros((1,), ids.dtype)])  # indices into [1 + pool]: the shared row last
+    rows = jnp.concatenate([ids[0] - 1, jnp.zeros((1,), ids.dtype)])  # indices into [1 + pool]: the shared row last
     gate, up, down = (layer[name].astype(jnp.float32)[rows] for name in ("gate", "up", "down"))  # [9, N, K]
     hidden = silu_glu(jnp.einsum("d,rnd->rn", h, gate, precision=hi), jnp.einsum("d,rnd->rn", h, up, precision=hi))
     out = jnp.einsum("ri,rdi->rd", hidden, down, precision=hi)  # [9, D]
@@ -166,14 +169,14 @@ def parse_args(argv):
     parser.add_argument("--dim", type=int, default=2304, help="the model's width D (Kimi-Linear-48B: 2304)")
     parser.add_argument("--inner", type=int, default=1024, help="each expert's width I (48B: 1024)")
     parser.add_argument("--layers", type=int, default=26, help="MoE layers in the chain (48B: 26)")
-    parser.add_argument("--pool", type=int, default=16, help="distinct routed experts per layer (8-256)")
+    parser.add_argument("--pool", type=int, default=16, help="distinct routed experts per layer (8-254)")
     parser.add_argument("--sweep", action="store_true", help="also each launch's tile options, one at a time")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if args.dim % 128 or args.inner % 128 or args.dim < 128 or args.inner < 128:
         parser.error(f"--dim {args.dim} and --inner {args.inner} must be multiples of 128")
-    if args.layers < 1 or not TOP_K <= args.pool <= NUM_EXPERTS:
-        parser.error(f"--layers {args.layers} must be >= 1 and --pool {args.pool} in [{TOP_K}, {NUM_EXPERTS}]")
+    if args.layers < 1 or not TOP_K <= args.pool <= NUM_EXPERTS - 2:
+        parser.error(f"--layers {args.layers} must be >= 1 and --pool {args.pool} in [{TOP_K}, {NUM_EXPERTS - 2}]")
     return args
 
 
