@@ -27,6 +27,19 @@ def test_a_sublayer_without_its_experts_fails_the_check(tmp_path, monkeypatch):
     assert not any(row["ok"] for row in rows) and min(row["rel_max_error"] for row in rows) > moe_chain.ERROR_BOUND
 
 
+def test_a_chain_that_fails_to_build_is_recorded_and_the_others_run(tmp_path, monkeypatch):
+    build = moe_chain.chain
+
+    def chain(layout, *args):
+        if layout == "in_out":
+            raise RuntimeError("out of shared memory")
+        return build(layout, *args)
+    monkeypatch.setattr(moe_chain, "chain", chain)
+    rows = moe_chain.main(SMALL + ["--out", str(tmp_path)])
+    assert rows[0]["failed"] == "RuntimeError: out of shared memory" and rows[1]["ok"]
+    assert not moe_chain.succeeded(rows) and moe_chain.succeeded(rows[1:])
+
+
 def test_sweep_changes_one_launch_option_at_a_time():
     plan = moe_chain.variants(sweep=True)
     assert plan[:2] == [(layout, {}, {}, {}) for layout in moe_chain.LAYOUTS]
