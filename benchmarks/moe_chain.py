@@ -52,9 +52,10 @@ ERROR_BOUND = 5e-2
 BF16 = jnp.bfloat16
 # --sweep: one launch's options changed at a time from the defaults (pallas_gmm.default_tiles, norm_and_route's)
 ROUTER_SWEEP = (dict(num_warps=1), dict(num_warps=2), dict(num_warps=8))
-GATE_UP_SWEEP = (dict(block_n=32), dict(block_n=128), dict(num_stages=4), dict(split_k=3), dict(num_warps=8),
-                 dict(rows_mma=False), dict(rows_one_launch=True))
-DOWN_SWEEP = (dict(block_n=32), dict(block_n=128), dict(num_stages=4), dict(split_k=2), dict(rows_mma=False))
+GATE_UP_SWEEP = (dict(block_n=32), dict(block_n=128), dict(num_stages=2), dict(num_stages=4), dict(split_k=3),
+                 dict(num_warps=8), dict(rows_mma=False), dict(rows_one_launch=True))
+DOWN_SWEEP = (dict(block_n=32), dict(block_n=128), dict(num_stages=2), dict(num_stages=4), dict(split_k=2),
+              dict(rows_mma=False))
 
 
 def make_layer(key, dim: int, inner: int, pool: int) -> dict:

@@ -10,7 +10,9 @@ dispatch of the program stays hidden behind the device's work, with the CUDA-gra
 (`decode_graph_scheduling: concurrent`). Implementations:
   pallas   the project's dense kernel (pallas_gmm.dense_matmul; config `dense_matmul: pallas`), kernels [K, N];
   xla_kn   XLA's jnp.dot, kernels [K, N] (the params' layout);
-  xla_nk   XLA's jnp.dot, kernels stored [N, K] (each output's weights contiguous: HF's checkpoint layout).
+  xla_nk   XLA's jnp.dot, kernels stored [N, K] (each output's weights contiguous: HF's checkpoint layout);
+  xla_nk_m2  as xla_nk with the row and a zero row as a [2, K] operand: XLA then emits its GEMM (cuBLAS or a Triton
+           GEMM, autotuned) instead of rewriting the one-row product as a reduction fusion.
 Time = median seconds per call (kda_kernels.time_jax) / products in the call; bandwidth = weight bytes / time. Every
 chain is checked against the same chain in float32 HIGHEST (max abs error relative to the result's largest value,
 <= 5e-2: bf16 rounding over the chain). On CPU the Pallas kernel runs in interpret mode (a smoke run). Prints one
@@ -35,18 +37,22 @@ from benchmarks.kda_kernels import time_jax  # noqa: E402
 from MaxText.inference.compile_options import GRAPH_SCHEDULING_OPTION  # noqa: E402
 from MaxText.kernels.grouped_matmul import pallas_gmm  # noqa: E402
 
-IMPLEMENTATIONS = ("pallas", "xla_kn", "xla_nk")
+IMPLEMENTATIONS = ("pallas", "xla_kn", "xla_nk", "xla_nk_m2")
+STORED_NK = ("xla_nk", "xla_nk_m2")  # the forms that take the kernels stored [N, K]
 ERROR_BOUND = 5e-2
 
 
 def product(implementation: str, row: jax.Array, kernel: jax.Array, interpret: bool) -> jax.Array:
-    """row [K] bf16 times one kernel ([K, N], or [N, K] for xla_nk) -> [N] bf16."""
+    """row [K] bf16 times one kernel ([K, N], or [N, K] for STORED_NK) -> [N] bf16."""
     if implementation == "pallas":
         return pallas_gmm.dense_matmul(row[None], kernel, interpret=interpret)[0]
     if implementation == "xla_kn":
         return jnp.dot(row, kernel)
     if implementation == "xla_nk":
         return jnp.dot(kernel, row)
+    if implementation == "xla_nk_m2":
+        rows = jnp.stack([row, jnp.zeros_like(row)])  # [2, K]
+        return jnp.einsum("mk,nk->mn", rows, kernel)[0]
     raise ValueError(f"implementation {implementation!r}: expected one of {IMPLEMENTATIONS}")
 
 
@@ -72,7 +78,7 @@ def reference(row: jax.Array, kernels: list[jax.Array], repeat: int) -> np.ndarr
 def measure(implementation: str, row, kernels, kernels_nk, repeat: int, want: np.ndarray) -> dict:
     """Times one implementation's chain and checks it against `want` (the `reference` chain)."""
     interpret = jax.default_backend() == "cpu"
-    weights = kernels_nk if implementation == "xla_nk" else kernels
+    weights = kernels_nk if implementation in STORED_NK else kernels
     compiled = jax.jit(chain(implementation, repeat, interpret)).lower(row, weights).compile(
         {GRAPH_SCHEDULING_OPTION: "CONCURRENT"} if jax.default_backend() == "gpu" else None)
     got = np.asarray(compiled(row, weights), np.float32)
@@ -113,7 +119,7 @@ def main(argv=None) -> list[dict]:
     for implementation in args.implementations:
         result = measure(implementation, row, kernels, kernels_nk, args.repeat, want)
         rows.append(result)
-        print(f"{implementation:7s} {result['us_per_product']:8.2f} us per product ({result['weight_TBps']:.2f} TB/s "
+        print(f"{implementation:9s} {result['us_per_product']:8.2f} us per product ({result['weight_TBps']:.2f} TB/s "
               f"of weights), chain error {result['rel_max_error']:.1e}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "product_chain.json"), "w") as f:
