@@ -12,10 +12,10 @@ routes it (`route_token`, the same code as the routing kernel's programs).
 `norm_and_route` runs the decoder layer's post-attention norm (the residual add too), the product and the routing
 as one launch (config key `moe_router_in_norm`): each product program recomputes its token's norm.
 
-Top-k by k rounds of (max, lowest expert id holding it, masked out): the experts come out in descending order of
-their choice value and ties go to the lower id, as `jax.lax.top_k` orders them (naive.route, the oracle). Ungrouped
-routing only (n_groups = 1, Kimi-Linear's), E and k powers of two (Triton block shapes). Runs under
-`interpret=True` on CPU (the tests do).
+Top-k by k rounds of (argmax: the max and the lowest expert id holding it, in one reduction; masked out), then the
+chosen scores in one reduction over [k, E]: the experts come out in descending order of their choice value and ties
+go to the lower id, as `jax.lax.top_k` orders them (naive.route, the oracle). Ungrouped routing only (n_groups = 1,
+Kimi-Linear's), E and k powers of two (Triton block shapes). Runs under `interpret=True` on CPU (the tests do).
 """
 
 from __future__ import annotations
@@ -62,13 +62,12 @@ def route_token(token, logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, nor
     num_experts = scores.shape[0]
     expert = jnp.arange(num_experts, dtype=jnp.int32)
     slot = jnp.arange(top_k, dtype=jnp.int32)
-    ids, weights = jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), F32)
-    for i in range(top_k):
-        pick = jnp.min(jnp.where(choice == jnp.max(choice), expert, num_experts))  # the lowest id of the max
-        chosen = expert == pick
+    ids = jnp.zeros((top_k,), jnp.int32)
+    for i in range(top_k):  # one (value, index) reduction a round
+        pick = jnp.argmax(choice).astype(jnp.int32)  # the lowest id of the max
         ids = jnp.where(slot == i, pick, ids)
-        weights = jnp.where(slot == i, jnp.sum(jnp.where(chosen, scores, 0.0)), weights)
-        choice = jnp.where(chosen, -jnp.inf, choice)
+        choice = jnp.where(expert == pick, -jnp.inf, choice)
+    weights = jnp.sum(jnp.where(ids[:, None] == expert[None, :], scores[None, :], 0.0), axis=1)  # [k], one reduction
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights) + 1e-20)
     weights_ref[token, :] = weights * scaling
