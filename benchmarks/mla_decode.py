@@ -1,7 +1,7 @@
 """MLA decode attention over the latent cache: the Pallas kernel (MaxText/kernels/mla/pallas_decode.py) against
 XLA's einsums and masked softmax (naive.latent_attention, the previous path), on the same inputs in one run.
 
-    python benchmarks/mla_decode.py [--batches 1 8 64] [--context 4096] [--sweep] [--out DIR]
+    python benchmarks/mla_decode.py [--batches 1 8 64] [--context 4096] [--caches 1] [--sweep] [--out DIR]
 
 Shapes: Kimi-Linear-48B's MLA (H 32, kv_lora_rank 512, rope 64), a bf16 cache of `--cache` positions (default 4213,
 model_decode.py's) with the first `--context` + 1 valid and the query at position `--context`. Each implementation
@@ -9,7 +9,9 @@ is timed as a jitted chain of `--chain` dependent calls (the next call's queries
 calls cannot overlap; µs-scale work timed inside one program, the combine of the kernel's runs included), median
 of blocks issued back to back (benchmarks/kda_kernels.time_jax); time per call = chain time / chain. Both results
 are checked against the oracle at float32 inputs and HIGHEST precision (max abs error; bf16 bound `--tolerance`).
---sweep times the kernel at other block sizes, runs, warps, stages and query rows per program too. Prints a table,
+`--caches N` makes the chain's calls take N distinct caches in turn (the default, 1, keeps one cache in L2; 14 stream
+from HBM, as the model's layers read theirs). --sweep times the kernel at other block sizes, runs, warps, stages and
+query rows per program too (`pallas all rows`: the rows of a batch row in one program). Prints a table,
 writes mla_decode.json to --out (default $OUT or .). On CPU the kernel runs under the Pallas interpreter (a smoke
 run: `--smoke`).
 """
@@ -47,20 +49,31 @@ def inputs(batch: int, heads: int, rank: int, rope: int, cache: int, context: in
 
 
 def chained(fn, length: int):
-    """A jitted chain of `length` calls of fn(q_latent, ...), each call's queries moved by the previous output."""
-    def run(q_latent, *rest):
+    """A jitted chain of `length` calls of fn(q_latent, q_rope, keys, ...), each call's queries moved by the previous
+    output; keys: one cache [B, S, R + P], or a list of distinct caches that the calls take in turn."""
+    def run(q_latent, q_rope, keys, *rest):
+        caches = keys if isinstance(keys, list) else [keys]
         out = jnp.zeros_like(q_latent)
-        for _ in range(length):
-            out = fn(q_latent + (1e-3 * out).astype(q_latent.dtype), *rest)
+        for i in range(length):
+            out = fn(q_latent + (1e-3 * out).astype(q_latent.dtype), q_rope, caches[i % len(caches)], *rest)
         return out
     return jax.jit(run)
 
 
-def kernel_settings(sweep: bool, batch: int, cache: int):
+def distinct_caches(keys: jax.Array, count: int) -> list[jax.Array]:
+    """`keys` and count - 1 other caches of its shape (random, as `inputs` makes them): a chain over more bytes than
+    the L2 cache holds reads them from HBM, as the model's layers read their own caches."""
+    return [keys] + [(0.1 * jax.random.normal(jax.random.PRNGKey(100 + i), keys.shape, jnp.float32)).astype(keys.dtype)
+                     for i in range(1, count)]
+
+
+def kernel_settings(sweep: bool, batch: int, cache: int, heads: int = NUM_HEADS):
     """(label, kwargs) of the kernel settings to time: the defaults, and with --sweep other tiles."""
     settings = [("pallas (defaults)", {})]
     if not sweep:
         return settings
+    all_rows = max(pallas_decode.MMA_ROWS, 1 << (heads - 1).bit_length())  # one token's rows, padded
+    settings.append(("pallas all rows", {"block_h": all_rows}))
     for block_s, scale_runs, warps, stages in itertools.product((32, 64), (0.5, 1, 2), (4, 8), (2, 3)):
         runs = max(1, int(pallas_decode.default_runs(batch, -(-cache // block_s)) * scale_runs))
         settings.append((f"pallas block_s {block_s} runs {runs} warps {warps} stages {stages}",
@@ -85,12 +98,13 @@ def run(args) -> list[dict]:
         candidates = [("xla (einsums + masked softmax)", functools.partial(naive.latent_attention, scale=scale))]
         candidates += [(label, functools.partial(pallas_decode.latent_attention, scale=scale, interpret=interpret,
                                                  **kwargs))
-                       for label, kwargs in kernel_settings(args.sweep, batch, shapes["cache"])]
+                       for label, kwargs in kernel_settings(args.sweep, batch, shapes["cache"], shapes["heads"])]
         for label, fn in candidates:
             error = float(jnp.max(jnp.abs(jax.jit(fn)(*problem).astype(jnp.float32) - oracle)))
             if error > args.tolerance:
                 raise AssertionError(f"B={batch} {label}: max abs error {error:.2e} > {args.tolerance:.0e}")
-            seconds = time_jax(chained(fn, args.chain), *problem, blocks=3 if args.smoke else 7) / args.chain
+            timed = (problem[0], problem[1], distinct_caches(problem[2], args.caches), *problem[3:])
+            seconds = time_jax(chained(fn, args.chain), *timed, blocks=3 if args.smoke else 7) / args.chain
             rows.append({"batch": batch, "implementation": label, "us": seconds * 1e6, "max_abs_error": error,
                          **shapes})
             print(f"B={batch:3d} {label:50s} {seconds * 1e6:9.2f} us  max abs error {error:.2e}", flush=True)
@@ -111,13 +125,16 @@ def parse_args(argv):
     parser.add_argument("--cache", type=int, default=4213, help="cache positions (max_target_length)")
     parser.add_argument("--context", type=int, default=4096, help="the query's position (positions <= it valid)")
     parser.add_argument("--chain", type=int, default=20, help="dependent calls per timed program")
+    parser.add_argument("--caches", type=int, default=1,
+                        help="distinct caches the chain's calls take in turn (1: every call reads the same cache, "
+                             "L2-resident at 48B shapes; 14 x 4.8 MB streams from HBM as the model's layers do)")
     parser.add_argument("--tolerance", type=float, default=2e-3, help="max abs error vs the float32 oracle")
     parser.add_argument("--sweep", action="store_true", help="time other kernel tiles too")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the kernel interpreted)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
-    if args.context >= args.cache or min(args.batches) < 1 or args.chain < 1:
-        parser.error(f"--context {args.context} must be < --cache {args.cache}; batches and --chain >= 1")
+    if args.context >= args.cache or min(args.batches) < 1 or args.chain < 1 or args.caches < 1:
+        parser.error(f"--context {args.context} must be < --cache {args.cache}; batches, --chain and --caches >= 1")
     return args
 
 

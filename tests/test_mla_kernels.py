@@ -55,6 +55,20 @@ def test_pallas_latent_attention_rows_split_over_programs():
         pallas_decode.latent_attention(*args, scale=0.2, block_h=8, interpret=True)
 
 
+def test_default_rows_per_program_split_one_token_of_one_batch_row():
+    """default_block_h: 16 rows per program for one batch row of <= 32 query rows (batch-1 decode of the 48B model's
+    32 heads: two programs per run), else every row of a batch row in one program; the split default gives the
+    whole-rows result bit for bit."""
+    assert pallas_decode.default_block_h(1, 32) == 16 and pallas_decode.default_block_h(1, 8) == 16
+    assert pallas_decode.default_block_h(2, 32) == 32 and pallas_decode.default_block_h(1, 96) == 128
+    args = _problem(1, 1, 32, 32, 16, 150, jnp.float32)
+    run = functools.partial(pallas_decode.latent_attention, scale=0.2, block_s=16, runs=3, interpret=True)
+    assert "grid=(2, 1, 3)" in str(jax.make_jaxpr(run)(*args))  # (row groups, batch rows, runs)
+    np.testing.assert_array_equal(np.asarray(run(*args)), np.asarray(run(*args, block_h=32)))
+    args = _problem(2, 1, 32, 32, 16, 150, jnp.float32)
+    assert "grid=(1, 2, 3)" in str(jax.make_jaxpr(run)(*args))
+
+
 def test_pallas_latent_attention_edge_rows():
     """A row that sees no key gets zeros (as the oracle's softmax); a run past the query's position reads nothing."""
     q_latent, q_rope, keys, _, key_valid = _problem(2, 1, 16, 32, 16, 96, jnp.float32)

@@ -5,7 +5,8 @@
 
 The same math as naive.latent_attention. The cache is cut into runs of `blocks_per_run` blocks of `block_s` positions;
 one program per (batch row, run) holds all T * H query rows (every head reads the same latent keys: the cache is read
-once per row, not once per head; `block_h` splits the rows over several programs), streams its blocks with an online
+once per row, not once per head; `block_h` splits the rows over several programs, 16 rows each by default for one
+batch row of one token: `default_block_h`), streams its blocks with an online
 softmax (scores and accumulator in float32, the probabilities multiplied by the keys in the inputs' dtype on the tensor
 cores) and writes its running max, sum and accumulator; a second kernel combines the runs (one program per query row and
 block of 128 latent columns). A run stops at the last query position (later blocks are never read). The cache length S
@@ -64,6 +65,17 @@ def unsupported_reason(dtype, rank: int, rope: int, num_keys: int) -> str | None
     if num_keys < MMA_ROWS:
         return f"the Pallas MLA decode needs a cache of at least {MMA_ROWS} positions, got {num_keys}"
     return None
+
+
+def default_block_h(batch: int, num_rows: int) -> int:
+    """Query rows per program: MMA_ROWS (16) for one batch row of at most 32 query rows (one token of the 48B model's
+    32 heads), so that twice the programs share the cache's runs; else all of a batch row's rows (padded). Measured
+    on an H200 (48B shapes, 4206 cached positions at position 4096, bf16; a chain of 14 calls over 14 distinct caches,
+    so that they stream from HBM as the model's 7 layers do, as `benchmarks/mla_decode.py --caches 14` times it;
+    benchmarks/RESULTS.md, thirty-fourth session): 10.48 / 10.52 us per call with 16 rows vs 12.51 / 12.54 with all
+    32, bit-identical outputs. Other batches and verify-sized T were not timed with it."""
+    padded = max(MMA_ROWS, 1 << (num_rows - 1).bit_length())
+    return MMA_ROWS if batch == 1 and num_rows <= 32 else padded
 
 
 def default_runs(batch: int, num_blocks: int) -> int:
@@ -145,8 +157,8 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
                      num_stages: int = NUM_STAGES, interpret: bool = False):
     """See the module docstring. block_s: cache positions per block, a power of two in [MMA_ROWS, S] (None:
     `default_block`); runs: runs per batch row (None: `default_runs`); block_h: query rows per program, a power of
-    two >= MMA_ROWS (None: all T * H rows of a batch row; fewer make more programs, each run's blocks then read by
-    every group of rows, side by side in the launch order)."""
+    two >= MMA_ROWS (None: `default_block_h`; fewer than a batch row's T * H rows make more programs, each run's
+    blocks then read by every group of rows, side by side in the launch order)."""
     batch, num_tokens, num_heads, rank = q_latent.shape
     num_keys = keys.shape[1]
     rope = keys.shape[2] - rank
@@ -169,7 +181,7 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     # The T * H query rows of a batch row together, padded to a power of two >= MMA_ROWS (padding rows see nothing).
     num_rows = num_tokens * num_heads
     padded = max(MMA_ROWS, 1 << (num_rows - 1).bit_length())
-    block_h = padded if block_h is None else min(block_h, padded)
+    block_h = default_block_h(batch, num_rows) if block_h is None else min(block_h, padded)
     if block_h < MMA_ROWS or not _power_of_two(block_h):
         raise ValueError(f"block_h={block_h} must be a power of two >= {MMA_ROWS}")
     pad = ((0, 0), (0, padded - num_rows), (0, 0))
