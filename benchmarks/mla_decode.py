@@ -38,12 +38,17 @@ NUM_HEADS, RANK, ROPE, NOPE = 32, 512, 64, 128
 SMOKE = {"heads": 2, "rank": 32, "rope": 16, "cache": 80, "context": 50}
 
 
+def random_cache(key, shape) -> jax.Array:
+    """A bf16 latent cache [B, S, R + P] of N(0, 0.01) values."""
+    return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+
+
 def inputs(batch: int, heads: int, rank: int, rope: int, cache: int, context: int, seed: int = 0):
     """(q_latent, q_rope, keys, query_positions, key_valid): bf16 queries and cache, positions <= context valid."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     q_latent = jax.random.normal(ks[0], (batch, 1, heads, rank), jnp.bfloat16)
     q_rope = jax.random.normal(ks[1], (batch, 1, heads, rope), jnp.bfloat16)
-    keys = (0.1 * jax.random.normal(ks[2], (batch, cache, rank + rope), jnp.float32)).astype(jnp.bfloat16)
+    keys = random_cache(ks[2], (batch, cache, rank + rope))
     key_valid = jnp.broadcast_to(jnp.arange(cache)[None, :] <= context, (batch, cache))
     return q_latent, q_rope, keys, jnp.full((batch, 1), context, jnp.int32), key_valid
 
@@ -61,10 +66,9 @@ def chained(fn, length: int):
 
 
 def distinct_caches(keys: jax.Array, count: int) -> list[jax.Array]:
-    """`keys` and count - 1 other caches of its shape (random, as `inputs` makes them): a chain over more bytes than
-    the L2 cache holds reads them from HBM, as the model's layers read their own caches."""
-    return [keys] + [(0.1 * jax.random.normal(jax.random.PRNGKey(100 + i), keys.shape, jnp.float32)).astype(keys.dtype)
-                     for i in range(1, count)]
+    """`keys` and count - 1 other caches of its shape (`random_cache`, as `inputs` makes them): a chain over more
+    bytes than the L2 cache holds reads them from HBM, as the model's layers read their own caches."""
+    return [keys] + [random_cache(jax.random.PRNGKey(100 + i), keys.shape) for i in range(1, count)]
 
 
 def kernel_settings(sweep: bool, batch: int, cache: int, heads: int = NUM_HEADS):
@@ -72,8 +76,7 @@ def kernel_settings(sweep: bool, batch: int, cache: int, heads: int = NUM_HEADS)
     settings = [("pallas (defaults)", {})]
     if not sweep:
         return settings
-    all_rows = max(pallas_decode.MMA_ROWS, 1 << (heads - 1).bit_length())  # one token's rows, padded
-    settings.append(("pallas all rows", {"block_h": all_rows}))
+    settings.append(("pallas all rows", {"block_h": pallas_decode.padded_rows(heads)}))  # one token's rows
     for block_s, scale_runs, warps, stages in itertools.product((32, 64), (0.5, 1, 2), (4, 8), (2, 3)):
         runs = max(1, int(pallas_decode.default_runs(batch, -(-cache // block_s)) * scale_runs))
         settings.append((f"pallas block_s {block_s} runs {runs} warps {warps} stages {stages}",

@@ -67,6 +67,11 @@ def unsupported_reason(dtype, rank: int, rope: int, num_keys: int) -> str | None
     return None
 
 
+def padded_rows(num_rows: int) -> int:
+    """A batch row's query rows (T * H) padded to a power of two >= MMA_ROWS (padding rows see nothing)."""
+    return max(MMA_ROWS, 1 << (num_rows - 1).bit_length())
+
+
 def default_block_h(batch: int, num_rows: int) -> int:
     """Query rows per program: MMA_ROWS (16) for one batch row of at most 32 query rows (one token of the 48B model's
     32 heads), so that twice the programs share the cache's runs; else all of a batch row's rows (padded). Measured
@@ -74,8 +79,7 @@ def default_block_h(batch: int, num_rows: int) -> int:
     so that they stream from HBM as the model's 7 layers do, as `benchmarks/mla_decode.py --caches 14` times it;
     benchmarks/RESULTS.md, thirty-fourth session): 10.48 / 10.52 us per call with 16 rows vs 12.51 / 12.54 with all
     32, bit-identical outputs. Other batches and verify-sized T were not timed with it."""
-    padded = max(MMA_ROWS, 1 << (num_rows - 1).bit_length())
-    return MMA_ROWS if batch == 1 and num_rows <= 32 else padded
+    return MMA_ROWS if batch == 1 and num_rows <= 32 else padded_rows(num_rows)
 
 
 def default_runs(batch: int, num_blocks: int) -> int:
@@ -178,9 +182,8 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     runs = default_runs(batch, num_blocks) if runs is None else runs
     blocks_per_run = -(-num_blocks // runs)
     runs = -(-num_blocks // blocks_per_run)
-    # The T * H query rows of a batch row together, padded to a power of two >= MMA_ROWS (padding rows see nothing).
-    num_rows = num_tokens * num_heads
-    padded = max(MMA_ROWS, 1 << (num_rows - 1).bit_length())
+    num_rows = num_tokens * num_heads  # a batch row's query rows, together
+    padded = padded_rows(num_rows)
     block_h = default_block_h(batch, num_rows) if block_h is None else min(block_h, padded)
     if block_h < MMA_ROWS or not _power_of_two(block_h):
         raise ValueError(f"block_h={block_h} must be a power of two >= {MMA_ROWS}")
