@@ -1,6 +1,6 @@
 """KDA kernel benchmark on one GPU: ours (Pallas, and XLA) against fla-core 0.6.0 (Triton), same run, same inputs.
 
-    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches B ...]
+    python benchmarks/kda_kernels.py [--out DIR] [--quick] [--sweep] [--no-jla] [--decode-batches B ...] [--pools N]
                                      [--tune [--ncu] [--tune-only WORD ...]]
 
 Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel, fp32 state out):
@@ -10,7 +10,8 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
 Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
 the launch order (`columns_fastest`), two tiles again with the KDA output norm in the launch (`_norm`, the model's
 path), each variant's one-step o checked against the reference; and `state_traffic_probe`: the decode kernel's
-state loads and stores alone, the tiling's ceiling):
+state loads and stores alone, the tiling's ceiling; --pools N: the timed steps take N distinct pools in turn, so that
+at small batches they stream from HBM as the model's layers do, not from L2):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -57,11 +58,12 @@ SCORES_VARIANTS = tuple(dict(programs=p, num_warps=1, block_k=bk, num_stages=sta
     ("halves", 16, 1), ("halves", 16, 3), ("halves", 16, 4), ("halves", 32, 3), ("chunk", 16, 3), ("chunk", 16, 4)))
 DECODE_BLOCK_V, DECODE_WARPS = None, None  # defaults of pallas_ops.packed_decode_kda: by batch (decode_tile)
 # --sweep's Triton decode tiles (block_v, num_warps, columns_fastest), and those also timed with the KDA output norm
-# in the launch (the model's path): decode_tile's 32 columns (1-3 rows; 4-31 rows before the twenty-seventh session)
-# and a head's 128 (4-31 rows)
+# in the launch (the model's path: decode_tile's 32 columns for 1-3 rows, a head's 128 for 4-31, and the narrower
+# and wider tiles beside them, for batches whose pools stream from HBM: --pools)
 SWEEP_DECODE_TILES = ((64, 2, False), (64, 2, True), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True),
                       (32, 4, True), (32, 4, False))
-SWEEP_NORM_TILES = ((32, 4, False), (128, 4, False))
+SWEEP_NORM_TILES = ((16, 2, False), (16, 4, False), (32, 2, False), (32, 4, False), (64, 4, False),
+                    (128, 4, False))
 
 
 def scores_variant_name(programs: str, num_warps: int, block_k: int, num_stages: int) -> str:
@@ -351,20 +353,24 @@ def decode_step_error(B, options):
     return float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
 
 
+def decode_loop(step_fn, steps=DECODE_STEPS):
+    """The timed decode loop: run(pools, mixed, a, b, A_log, dt_bias, slots) -> (pools, acc), jitted with `pools` (a
+    tuple of distinct state pools) donated; `steps` unrolled calls of step_fn (one launch each, no while-loop round
+    trips), step i on pools[i % len(pools)]; acc sums each step's o[0, 0, 0] so that no step is dropped."""
+    def run(pools, mixed, a, b, A_log, dt_bias, slots):
+        pools, acc = list(pools), jnp.float32(0)
+        for i in range(steps):
+            o, pools[i % len(pools)] = step_fn(mixed, a, b, A_log, dt_bias, pools[i % len(pools)], slots)
+            acc = acc + o[0, 0, 0].astype(jnp.float32)
+        return tuple(pools), acc
+    return jax.jit(run, donate_argnums=(0,))
+
+
 def bench_decode(B, args, results, copy_bw):
     import torch
     (mixed, a, b, A_log, dt_bias), slots, initial_pool = decode_problem(B)
     row = {"B": B}
     state_bytes = 2 * B * H * K * V * 4
-
-    def loop_fn(step_fn):
-        def run(pool, mixed, a, b, A_log, dt_bias, slots):
-            acc = jnp.float32(0)
-            for _ in range(DECODE_STEPS):  # unrolled: one launch per step, no while-loop round trips
-                o, pool = step_fn(mixed, a, b, A_log, dt_bias, pool, slots)
-                acc = acc + o[0, 0, 0].astype(jnp.float32)
-            return pool, acc
-        return jax.jit(run, donate_argnums=(0,))
 
     row["kernel"] = "triton" if args.sweep else pallas_ops.decode_kernel(B, K, V)
     variants = {"pallas": dict(block_v=DECODE_BLOCK_V, num_warps=DECODE_WARPS)}
@@ -386,8 +392,8 @@ def bench_decode(B, args, results, copy_bw):
                 state_traffic_probe(x[5], x[6], block_v=bv, num_warps=nw, columns_fastest=cols))
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
-        run = loop_fn(step)
-        holder = [initial_pool()]
+        run = decode_loop(step)
+        holder = [tuple(initial_pool() for _ in range(args.pools))]
 
         def call():
             holder[0], acc = run(holder[0], mixed, a, b, A_log, dt_bias, slots)
@@ -398,7 +404,8 @@ def bench_decode(B, args, results, copy_bw):
         log(f"  decode B={B} {name}: {row[f'{name}_s'] * 1e6:.2f} us/step, state traffic "
             f"{row[f'{name}_state_bw'] / 1e12:.2f} TB/s ({row[f'{name}_state_bw'] / copy_bw:.0%} of copy){checked}")
 
-    pool_t, fla_step = fla_decode_step(mixed, a, b, A_log, dt_bias, initial_pool(), slots)
+    fla_steps = [fla_decode_step(mixed, a, b, A_log, dt_bias, initial_pool(), slots) for _ in range(args.pools)]
+    pool_t, fla_step = fla_steps[0]
     with torch.no_grad():
         before = pool_t.clone()
         o_f, _ = fla_step()
@@ -415,8 +422,8 @@ def bench_decode(B, args, results, copy_bw):
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(DECODE_STEPS):
-                fla_step()
+            for i in range(DECODE_STEPS):
+                fla_steps[i % args.pools][1]()
         row["fla_s"] = time_torch(graph.replay) / DECODE_STEPS
     row["fla_state_bw"] = state_bytes / row["fla_s"]
     log(f"  decode B={B} fla: {row['fla_s'] * 1e6:.2f} us/step, state traffic {row['fla_state_bw'] / 1e12:.2f} TB/s"
@@ -558,11 +565,17 @@ def main():
     parser.add_argument("--tune-only", nargs="+", default=None, metavar="WORD",
                         help="with --tune: only the variants whose name contains one of these words (e.g. scores "
                              "fla)")
+    parser.add_argument("--pools", type=int, default=1,
+                        help="distinct state pools the timed decode steps take in turn, for every kernel and fla "
+                             "(1: every step updates the same pool, which stays in L2 at small batches; ~20 stream "
+                             "them from HBM, as the model's layers read their own pools)")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=None,
                         help=f"decode batch sizes to time (default {DECODE_BATCHES}; --quick: the first two)")
     args = parser.parse_args()
     if args.tune_only and not args.tune:
         parser.error("--tune-only needs --tune")
+    if args.pools < 1:
+        parser.error(f"--pools must be >= 1, got {args.pools}")
     if args.tune:
         return tune_prefill(ncu=args.ncu, only=args.tune_only)
     import torch

@@ -36,3 +36,17 @@ def test_decode_step_error_checks_the_tile_against_the_reference(monkeypatch, wi
         options.update(kda_kernels.decode_out_norm_inputs(batch))
     assert kda_kernels.decode_step_error(batch, options) < 1e-2
     assert kda_kernels.decode_step_error(batch, dict(options, scale=1.0)) > 1e-2
+
+
+def test_decode_loop_takes_the_pools_in_turn():
+    """--pools: the timed loop's step i updates pools[i % N] (7 steps over 3 pools: 3, 2 and 2 updates) and sums
+    every step's o[0, 0, 0], so that N distinct pools are each read and written in the chain."""
+    def step(mixed, a, b, A_log, dt_bias, pool, slots):  # o [B, H, V]: the pool's first value before the update
+        return pool[:, :, 0, :], pool + 1.0
+
+    pools = tuple(jnp.full((1, 1, 2, 2), 10.0 * i) for i in range(3))
+    zeros = jnp.zeros(1)
+    pools, acc = kda_kernels.decode_loop(step, steps=7)(pools, zeros, zeros, zeros, zeros, zeros, zeros)
+    for pool, (start, updates) in zip(pools, ((0.0, 3), (10.0, 2), (20.0, 2))):
+        np.testing.assert_array_equal(np.asarray(pool), start + updates)
+    assert float(acc) == (0 + 1 + 2) + (10 + 11) + (20 + 21)
