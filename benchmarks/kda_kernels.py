@@ -8,10 +8,11 @@ Prefill (forward, H=32, K=V=128, bf16 q/k/v, fp32 log-decay g, l2norm in kernel,
   jla = jax-linear-attention 0.1.0 (optional). Every output is checked against the naive fp32 oracle on the same
   inputs (relative L2 error; the issue's bound for ours is 5e-3).
 Decode (one token per row, in place on a state pool, gate / beta / l2norm in kernel; --sweep: block_v, warps and
-the launch order (`columns_fastest`), two tiles again with the KDA output norm in the launch (`_norm`, the model's
-path), each variant's one-step o checked against the reference; and `state_traffic_probe`: the decode kernel's
-state loads and stores alone, the tiling's ceiling; --pools N: the timed steps take N distinct pools in turn, so that
-at small batches they stream from HBM as the model's layers do, not from L2):
+the launch order (`columns_fastest`), tiles again with the KDA output norm in the launch (`_norm`, the model's path:
+the norm's counters kept between steps, `counting_step`), each variant's one-step o checked against the reference;
+and `state_traffic_probe`: the decode kernel's state loads and stores alone, the tiling's ceiling; --pools N: the
+timed steps take N distinct pools in turn, so that at small batches they stream from HBM as the model's layers do,
+not from L2):
   ours pallas = pallas_ops.packed_decode_kda; ours xla = packed_decode.packed_decode_kda_reference;
   fla = fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd(..., ssm_state_indices, inplace_final_state=True)
   (asserts that fla's pool changed). Correctness: 64 steps with fresh inputs vs the reference, max abs error;
@@ -353,6 +354,18 @@ def decode_step_error(B, options):
     return float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref.astype(jnp.float32))))
 
 
+def counting_step(options):
+    """A decode step with the KDA output norm as the model runs it: the norm's counters (`norm_counts`, [B, H] int32)
+    kept between steps beside the pool, so that no zeros are made and copied before each launch. The step's "pool"
+    is the pair (pool, counts)."""
+    def step(mixed, a, b, A_log, dt_bias, pool_and_counts, slots):
+        pool, counts = pool_and_counts
+        o, pool, counts = pallas_ops.packed_decode_kda(mixed, a, b, A_log, dt_bias, pool, slots, num_heads=H,
+                                                       head_dim=K, norm_counts=counts, **options)
+        return o, (pool, counts)
+    return step
+
+
 def decode_loop(step_fn, steps=DECODE_STEPS):
     """The timed decode loop: run(pools, mixed, a, b, A_log, dt_bias, slots) -> (pools, acc), jitted with `pools` (a
     tuple of distinct state pools) donated; `steps` unrolled calls of step_fn (one launch each, no while-loop round
@@ -383,7 +396,8 @@ def bench_decode(B, args, results, copy_bw):
                          for tile in SWEEP_NORM_TILES})
     for name, options in variants.items():  # every variant's one-step o against the reference's
         row[f"{name}_err_o"] = decode_step_error(B, options)
-    impls = {name: (lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
+    impls = {name: (counting_step(c) if "out_norm_eps" in c else
+                    lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)
         for bv, nw, cols in ((64, 2, False), (64, 2, True)):
@@ -393,7 +407,9 @@ def bench_decode(B, args, results, copy_bw):
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
         run = decode_loop(step)
-        holder = [tuple(initial_pool() for _ in range(args.pools))]
+        counting = "out_norm_eps" in variants.get(name, {})
+        holder = [tuple((initial_pool(), jnp.zeros((B, H), jnp.int32)) if counting else initial_pool()
+                        for _ in range(args.pools))]
 
         def call():
             holder[0], acc = run(holder[0], mixed, a, b, A_log, dt_bias, slots)

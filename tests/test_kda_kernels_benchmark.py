@@ -50,3 +50,25 @@ def test_decode_loop_takes_the_pools_in_turn():
     for pool, (start, updates) in zip(pools, ((0.0, 3), (10.0, 2), (20.0, 2))):
         np.testing.assert_array_equal(np.asarray(pool), start + updates)
     assert float(acc) == (0 + 1 + 2) + (10 + 11) + (20 + 21)
+
+
+def test_counting_step_keeps_the_norm_counters_between_steps(monkeypatch):
+    """The sweep's `_norm` variants run as the model does: the output norm's counters come back zero from each
+    launch and feed the next (no zeros made per launch), with the o and pool of a launch given fresh zeros."""
+    monkeypatch.setattr(kda_kernels, "H", 2)
+    monkeypatch.setattr(kda_kernels, "K", 32)
+    monkeypatch.setattr(kda_kernels, "V", 32)
+    batch = 3
+    options = dict(kda_kernels.tile_options(16, 1, False), interpret=True, out_dtype=jnp.float32,
+                   **kda_kernels.decode_out_norm_inputs(batch))
+    inputs, slots, initial_pool = kda_kernels.decode_problem(batch)
+    step = kda_kernels.counting_step(options)
+    counts = jnp.zeros((batch, 2), jnp.int32)
+    pool, want_pool = initial_pool(), initial_pool()
+    for _ in range(2):
+        o, (pool, counts) = step(*inputs, (pool, counts), slots)
+        want_o, want_pool = kda_kernels.pallas_ops.packed_decode_kda(*inputs, want_pool, slots, num_heads=2,
+                                                                     head_dim=32, **options)
+        np.testing.assert_array_equal(np.asarray(counts), 0)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(pool), np.asarray(want_pool), atol=1e-6)
