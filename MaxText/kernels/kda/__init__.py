@@ -81,13 +81,19 @@ def resolve(implementation: str, kind: str, head_dim: int, value_dim: int, with_
     return chosen
 
 
-def chunk_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
-    """Prefill-shaped KDA (many tokens). See the module docstring for the arguments."""
-    chosen = resolve(implementation, "prefill", q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
+def _dispatch(kind: str, pallas_name: str, q, k, v, g, beta, implementation: str, kwargs):
+    """The fla-style entry points: `kind` ('prefill' | 'decode') resolved to the Pallas kernel `pallas_name`
+    (partitioned under a mesh), the XLA chunked kernel or the naive recurrence, called on the same arguments."""
+    chosen = resolve(implementation, kind, q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
     if chosen == "pallas":
-        return partitioned(load_pallas().chunk_kda)(q, k, v, g, beta, **kwargs)
+        return partitioned(getattr(load_pallas(), pallas_name))(q, k, v, g, beta, **kwargs)
     fn = chunked_kda if chosen == "chunked" else naive_recurrent_kda
     return fn(q, k, v, g, beta, **kwargs)
+
+
+def chunk_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
+    """Prefill-shaped KDA (many tokens). See the module docstring for the arguments."""
+    return _dispatch("prefill", "chunk_kda", q, k, v, g, beta, implementation, kwargs)
 
 
 def partitioned(kernel_fn, shard_map_fn=shard_map_over_rows_and_heads, rows: str = "batch"):
@@ -109,11 +115,7 @@ def partitioned(kernel_fn, shard_map_fn=shard_map_over_rows_and_heads, rows: str
 
 def fused_recurrent_kda(q, k, v, g, beta, *, implementation: str = "auto", **kwargs):
     """Decode-shaped KDA (few tokens per call). See the module docstring for the arguments."""
-    chosen = resolve(implementation, "decode", q.shape[-1], v.shape[-1], kwargs.get("segment_ids") is not None)
-    if chosen == "pallas":
-        return partitioned(load_pallas().fused_recurrent_kda)(q, k, v, g, beta, **kwargs)
-    fn = chunked_kda if chosen == "chunked" else naive_recurrent_kda
-    return fn(q, k, v, g, beta, **kwargs)
+    return _dispatch("decode", "fused_recurrent_kda", q, k, v, g, beta, implementation, kwargs)
 
 
 def packed_decode_kda(mixed_qkv, a, b, A_log, dt_bias, state_pool, slot_indices, *, num_heads: int, head_dim: int,
