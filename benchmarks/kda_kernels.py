@@ -396,7 +396,8 @@ def bench_decode(B, args, results, copy_bw):
                          for tile in SWEEP_NORM_TILES})
     for name, options in variants.items():  # every variant's one-step o against the reference's
         row[f"{name}_err_o"] = decode_step_error(B, options)
-    impls = {name: (counting_step(c) if "out_norm_eps" in c else
+    counting = {name for name, c in variants.items() if "out_norm_eps" in c}  # their steps carry (pool, counts)
+    impls = {name: (counting_step(c) if name in counting else
                     lambda *x, c=c: pallas_ops.packed_decode_kda(*x, num_heads=H, head_dim=K, **c))
              for name, c in variants.items()}
     if args.sweep:  # the same tiles' state traffic without the math (o: a constant, for the loop's accumulator)
@@ -407,8 +408,7 @@ def bench_decode(B, args, results, copy_bw):
     impls["xla"] = lambda *x: packed_decode.packed_decode_kda_reference(*x, num_heads=H, head_dim=K)
     for name, step in impls.items():
         run = decode_loop(step)
-        counting = "out_norm_eps" in variants.get(name, {})
-        holder = [tuple((initial_pool(), jnp.zeros((B, H), jnp.int32)) if counting else initial_pool()
+        holder = [tuple((initial_pool(), jnp.zeros((B, H), jnp.int32)) if name in counting else initial_pool()
                         for _ in range(args.pools))]
 
         def call():
