@@ -102,11 +102,11 @@ def run(args) -> list[dict]:
         candidates += [(label, functools.partial(pallas_decode.latent_attention, scale=scale, interpret=interpret,
                                                  **kwargs))
                        for label, kwargs in kernel_settings(args.sweep, batch, shapes["cache"], shapes["heads"])]
+        timed = (problem[0], problem[1], distinct_caches(problem[2], args.caches), *problem[3:])  # every candidate's
         for label, fn in candidates:
             error = float(jnp.max(jnp.abs(jax.jit(fn)(*problem).astype(jnp.float32) - oracle)))
             if error > args.tolerance:
                 raise AssertionError(f"B={batch} {label}: max abs error {error:.2e} > {args.tolerance:.0e}")
-            timed = (problem[0], problem[1], distinct_caches(problem[2], args.caches), *problem[3:])
             seconds = time_jax(chained(fn, args.chain), *timed, blocks=3 if args.smoke else 7) / args.chain
             rows.append({"batch": batch, "implementation": label, "us": seconds * 1e6, "max_abs_error": error,
                          **shapes})
