@@ -40,7 +40,7 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            as in a device-side loop; `dispatch` = the host's time to issue a step: TPOT is host bound where they
            meet; steps_per_call=N against the default 1 shows how much of the TPOT is the host's); `synced` = median
            of --synced-steps steps each waited for (adds dispatch).
-           The step also adds up the distinct experts each MoE layer's router chose (captured Router outputs),
+           The step also adds up the distinct experts each MoE layer routed to (the routing each MoE sows),
            and the roofline uses their mean over the timed steps. (Engine's decode runs all steps in one
            while_loop, which gives no per-step time; this step is Engine's step_fn as a program of its own.)
   profile  --profile-steps decode steps under jax.profiler for every decode setting; the trace's device kernels
@@ -108,7 +108,6 @@ from MaxText.inference.compile_options import decode_compiler_options  # noqa: E
 from MaxText.layers.linears import dense_matmul_choice  # noqa: E402
 from MaxText.layers.models import KimiLinearForCausalLM, init_cache  # noqa: E402
 from MaxText.kernels import grouped_matmul  # noqa: E402
-from MaxText.layers.moe import Router  # noqa: E402
 
 STAGES = ("copy", "init", "prefill", "decode", "profile", "engine")
 DECODE_MODULE = "jit_decode_step"  # the XLA module name of the jitted `decode_step`
@@ -661,21 +660,22 @@ def outputs_in_place(compiled, first_input: int) -> bool:
     return aliased_inputs(compiled) == list(range(first_input, first_input + compiled.out_tree.num_leaves))
 
 
-def _is_router_call(module, method_name: str) -> bool:
-    return isinstance(module, Router) and method_name == "__call__"
-
-
 def make_decode_step(model, num_experts: int):
     def decode_step(params, cache, tokens, distinct_sum):
         """tokens [B], distinct_sum [n_moe] int32 -> (cache, greedy next tokens [B] int32, distinct_sum + the
         distinct experts chosen per MoE layer in this step): the outputs in the order of the donated inputs, so that
         each is written in place of its own input (`outputs_in_place`)."""
         logits, variables = model.apply({"params": params, "cache": cache}, tokens[:, None],
-                                        model_mode="autoregressive", mutable=["cache", "intermediates"],
-                                        capture_intermediates=_is_router_call)
-        routers = flax.traverse_util.flatten_dict(flax.core.unfreeze(variables.get("intermediates", {})))
-        by_layer = sorted(routers.items(), key=lambda kv: int(re.search(r"layers_(\d+)", "/".join(kv[0])).group(1)))
-        if by_layer:  # output: ((weights, expert ids),); one comparison for all layers (a per-layer scatter made a
+                                        model_mode="autoregressive", mutable=["cache", "intermediates"])
+        # each MoE layer's routing, as it sows it (whichever launch routed: the router's, or the post-attention
+        # norm's with moe_router_in_norm)
+        sown = flax.traverse_util.flatten_dict(flax.core.unfreeze(variables.get("intermediates", {})))
+        routings = {key: value for key, value in sown.items() if key[-1] == "routing"}
+        by_layer = sorted(routings.items(), key=lambda kv: int(re.search(r"layers_(\d+)", "/".join(kv[0])).group(1)))
+        if len(by_layer) != distinct_sum.shape[0]:
+            raise ValueError(f"expected the routing of {distinct_sum.shape[0]} MoE layers in the step's "
+                             f"intermediates, got {len(by_layer)}: {sorted('/'.join(k) for k in routings)}")
+        if by_layer:  # value: ((weights, expert ids),); one comparison for all layers (a per-layer scatter made a
             # kernel of ~45 us per step on an H200: instrumentation, not model work)
             ids = jnp.stack([output[0][1].reshape(-1) for _, output in by_layer])  # [n_moe, N*k]
             used = jnp.any(ids[:, :, None] == jnp.arange(num_experts, dtype=ids.dtype), axis=1)  # [n_moe, E]

@@ -292,6 +292,38 @@ def test_decode_step_writes_each_output_in_place_of_its_own_input():
                       out_shardings=(setup.cache_shardings(batch), setup.rows(1), replicated), **shardings)
 
 
+def test_decode_step_counts_the_experts_of_the_launch_that_routed(interpreted_norm_and_router):
+    """The decode step counts each MoE layer's distinct experts from the routing the layer sows, whichever launch
+    routed: on one GPU at batch <= 16 `moe_router_in_norm`'s norm_and_route launch routes and the Router module is
+    never called (the step counted its captured outputs before and failed there: [n_moe] counts plus nothing). The
+    tiny model (bf16, the norms' and router's Pallas kernels interpreted) at batch 2: one count per MoE layer,
+    each the number of distinct ids the layer's routing holds, the same with the router's own launches."""
+    calls = interpreted_norm_and_router
+    counted = {}
+    for in_norm in (True, False):
+        config = pyconfig.load_config(TINY, {"dtype": "bfloat16", "num_experts": 16, "norm_kernel": "pallas",
+                                             "moe_router_kernel": "pallas", "mla_kernel": "xla",
+                                             "moe_router_in_norm": in_norm})
+        model = KimiLinearForCausalLM(config)
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, config.vocab_size)
+        params = {"params": model.init(jax.random.PRNGKey(0), tokens, model_mode="train")["params"]}
+        _, variables = model.apply(params, tokens, model_mode="prefill", mutable=["cache"])
+        moe_layers = config.mlp_types.count("moe")
+        calls.clear()
+        step = jax.jit(model_decode.make_decode_step(model, config.num_experts))
+        _, _, counts = step(params["params"], variables["cache"], tokens[:, -1], jnp.zeros((moe_layers,), jnp.int32))
+        assert calls.count("norm_and_route") == (moe_layers if in_norm else 0)
+        _, sown = model.apply({**params, "cache": variables["cache"]}, tokens[:, -1:], model_mode="autoregressive",
+                              mutable=["cache", "intermediates"])
+        ids = [np.asarray(layer["mlp"]["routing"][0][1]) for name, layer in sorted(
+            sown["intermediates"]["model"].items(), key=lambda kv: int(kv[0].split("_")[-1])) if "mlp" in layer]
+        assert len(ids) == moe_layers
+        np.testing.assert_array_equal(np.asarray(counts), [len(np.unique(i)) for i in ids])
+        assert all(config.num_experts_per_tok <= c <= 2 * config.num_experts_per_tok for c in np.asarray(counts))
+        counted[in_norm] = np.asarray(counts)
+    np.testing.assert_array_equal(counted[True], counted[False])
+
+
 def test_cache_checksum_sees_every_bit_and_position():
     cache = {"state": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "latent": jnp.ones((2, 5), jnp.bfloat16),
              "index": jnp.array([7], jnp.int32), "mask": jnp.array([True, False])}

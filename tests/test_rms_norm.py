@@ -238,30 +238,14 @@ def test_decoder_input_norm_after_projections(monkeypatch, deferred, model_mode)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_decoder_routes_in_the_post_attention_norm(monkeypatch):
+def test_decoder_routes_in_the_post_attention_norm(interpreted_norm_and_router):
     """moe_router_in_norm (default on): the tiny model (bf16) decoding one row with the norms' and the router's
     Pallas kernels (interpreted, as on one GPU): each MoE layer's post-attention norm and routing are one
     norm_and_route launch (no add_rms_norm, router product or routing launch of their own; the dense layer keeps
     add_rms_norm), and the logits are bit for bit those of the separate launches over three steps, each launch
     taking its counters from the cache's route_counts (one per MoE layer, [1] int32) and leaving them zero."""
-    from MaxText.kernels.grouped_matmul import pallas_gmm
-    from MaxText.kernels.moe_router import pallas_route
     assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).moe_router_in_norm  # the default
-    calls = []
-
-    def interpreted(module, name, interpret_positional=False):
-        fn = getattr(module, name)
-
-        def call(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, True) if interpret_positional else fn(*args, **kwargs, interpret=True)
-        monkeypatch.setattr(module, name, call)
-    monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)  # as on one GPU
-    interpreted(pallas_norm, "rms_norm", interpret_positional=True)
-    interpreted(pallas_norm, "add_rms_norm", interpret_positional=True)
-    for module, name in ((pallas_gmm, "vector_matrix_partials"), (pallas_route, "route_logits"),
-                         (pallas_route, "norm_and_route")):
-        interpreted(module, name)
+    calls = interpreted_norm_and_router
 
     def decode(in_norm: bool, steps: int = 3):
         config = pyconfig.load_config("configs/kimi_linear_tiny.yml", {

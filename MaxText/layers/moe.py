@@ -135,7 +135,8 @@ def shared_rows_fit(config: ml_collections.FrozenConfigDict, num_tokens: int) ->
 class MoE(nn.Module):
     """The MoE MLP: `gate` (router), `experts` (routed), `shared_experts` (one SwiGLU of moe_mlp_dim*shared_experts).
 
-    `__call__(x [B, T, D]) -> [B, T, D]` in config.dtype.
+    `__call__(x [B, T, D]) -> [B, T, D]` in config.dtype. With the "intermediates" collection mutable it also
+    stores its tokens' routing there as `routing`: ((weights [N, k], expert ids [N, k]),).
     """
     config: ml_collections.FrozenConfigDict
 
@@ -147,6 +148,9 @@ class MoE(nn.Module):
         batch, seq_len, dim = x.shape
         tokens = x.reshape(batch * seq_len, dim)  # [N, D]
         weights, expert_ids = Router(cfg, name="gate")(tokens) if routing is None else routing
+        # For instrumentation (benchmarks/model_decode.py counts the experts used per layer): kept only where the
+        # caller makes "intermediates" mutable, whichever launch routed the tokens; a no-op otherwise.
+        self.sow("intermediates", "routing", (weights, expert_ids))
         shared = MLP(cfg, cfg.moe_mlp_dim * cfg.shared_experts, name="shared_experts") if cfg.shared_experts else None
         experts = RoutedExperts(cfg, name="experts")
         if shared is not None and shared_rows_fit(cfg, batch * seq_len):
