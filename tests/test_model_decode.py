@@ -315,7 +315,7 @@ def test_decode_step_counts_the_experts_of_the_launch_that_routed(interpreted_no
         assert calls.count("norm_and_route") == (moe_layers if in_norm else 0)
         _, sown = model.apply({**params, "cache": variables["cache"]}, tokens[:, -1:], model_mode="autoregressive",
                               mutable=["cache", "intermediates"])
-        ids = [np.asarray(layer["mlp"]["routing"][0][1]) for name, layer in sorted(
+        ids = [np.asarray(layer["mlp"]["routing"][0][1]) for _, layer in sorted(
             sown["intermediates"]["model"].items(), key=lambda kv: int(kv[0].split("_")[-1])) if "mlp" in layer]
         assert len(ids) == moe_layers
         np.testing.assert_array_equal(np.asarray(counts), [len(np.unique(i)) for i in ids])
