@@ -61,7 +61,7 @@ POSITIVE_INT_KEYS = (
     "max_checkpoints_to_keep", "decode_loop_unroll",
 )
 NON_NEGATIVE_INT_KEYS = ("q_lora_rank", "qk_rope_head_dim", "first_num_dense_layers", "shared_experts",
-                         "max_new_tokens", "seed", "warmup_steps", "eval_interval")
+                         "max_new_tokens", "seed", "warmup_steps", "eval_interval", "dense_row_reduce_max_elements")
 MESH_KEYS = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism", "ici_expert_parallelism")
 DCN_MESH_KEYS = ("dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism", "dcn_expert_parallelism")
 

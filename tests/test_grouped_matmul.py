@@ -632,3 +632,25 @@ def test_benchmark_makes_rows_per_token_sorted_by_expert(per_token):
     for layer_rows, layer_sizes, layer_groups in zip(rows, sizes, groups):
         assert layer_rows.shape == (3 * per_token, 32) and int(layer_sizes.sum()) == 3 * per_token
         assert np.all(np.diff(np.asarray(layer_groups)) >= 0)  # sorted by expert
+
+
+def test_one_row_products_above_xlas_rewrite_are_written_as_a_reduction():
+    """dense_matmul's XLA product of one row by a kernel of more than XLA_ROW_REWRITE_ELEMENTS elements (which XLA:GPU
+    would hand to cuBLAS) and at most row_reduce_max_elements: float32 products summed over K, no dot in the program;
+    the same values as the dot. More rows, a smaller or larger kernel, or the limit 0: the dot."""
+    contract, out_dim = 2560, 4096  # 10.49M elements
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, contract), jnp.bfloat16)
+    kernel = (jax.random.normal(jax.random.PRNGKey(1), (contract, out_dim), jnp.float32) / 50).astype(jnp.bfloat16)
+
+    def program(rows, w, limit):
+        run = functools.partial(gmm.dense_matmul, implementation="xla", row_reduce_max_elements=limit)
+        return str(jax.make_jaxpr(run)(rows, w))
+
+    assert "reduce_sum" in program(x, kernel, 15_000_000) and "dot_general" not in program(x, kernel, 15_000_000)
+    for rows, w, limit in ((jnp.concatenate([x, x], axis=1), kernel, 15_000_000), (x, kernel, 10_000_000),
+                           (x, kernel, 0), (x[..., :2048], kernel[:2048], 15_000_000)):  # 8.4M: XLA's own rewrite
+        assert "dot_general" in program(rows, w, limit) and "reduce_sum" not in program(rows, w, limit)
+    got = gmm.dense_matmul(x, kernel, implementation="xla", row_reduce_max_elements=15_000_000)
+    want = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (1, 1, out_dim) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)

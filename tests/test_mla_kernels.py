@@ -10,7 +10,7 @@ import pytest
 
 from MaxText import pyconfig
 from MaxText.kernels import grouped_matmul, mla as mla_kernels
-from MaxText.kernels.mla import naive, pallas_decode
+from MaxText.kernels.mla import naive, pallas_absorb, pallas_decode
 
 
 def _problem(batch, tokens, heads, rank, rope, num_keys, dtype, seed=0):
@@ -130,13 +130,18 @@ def test_mla_layer_decodes_through_the_pallas_kernel(monkeypatch):
     segments = jnp.ones((2, 8), jnp.int32).at[1, :3].set(0)  # row 1 left-padded
     layer = MultiHeadLatentAttention(configs["xla"])
     params = layer.init(jax.random.PRNGKey(0), x[:, :8], model_mode="train")["params"]
-    calls, kernel = [], pallas_decode.latent_attention
+    calls, kernel, absorbed, absorb = [], pallas_decode.latent_attention, [], pallas_absorb.absorb_query
 
     def interpreted(*args, **kwargs):
         calls.append(args[0].shape)
         return kernel(*args, interpret=True, **kwargs)
+
+    def interpreted_absorb(*args, **kwargs):
+        absorbed.append(args[0].shape)
+        return absorb(*args, interpret=True, **kwargs)
     monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
     monkeypatch.setattr(pallas_decode, "latent_attention", interpreted)
+    monkeypatch.setattr(pallas_absorb, "absorb_query", interpreted_absorb)
 
     def decode(config):
         mla = MultiHeadLatentAttention(config)
@@ -151,10 +156,71 @@ def test_mla_layer_decodes_through_the_pallas_kernel(monkeypatch):
         return jnp.concatenate(outs + [verified], axis=1)
 
     want = decode(configs["xla"])
-    assert calls == []
+    assert calls == [] and absorbed == []
     got = decode(configs["pallas"])
     assert calls == [(2, 1, 4, 32)] * 3 + [(2, 3, 4, 32)]
+    assert absorbed == [(2, 4 * 32)] * 3 + [(6, 4 * 32)]  # q [B * T, H * (nope + rope)], the absorption in its kernel
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # Kernels stored in_out: the einsum absorbs (the kernel reads kv_b_proj's W_uk rows as stored out_in).
+    in_out = pyconfig.load_config(pyconfig.BASE_CONFIG_PATH,
+                                  overrides + ["mla_kernel=pallas", "dense_kernel_layout=in_out"])
+    absorbed.clear()
+    layer = MultiHeadLatentAttention(in_out)
+    variables = layer.init(jax.random.PRNGKey(0), x[:, :8], model_mode="prefill")  # params and an empty cache
+    layer.apply(variables, x[:, 8:9], model_mode="autoregressive", mutable=["cache"])
+    assert absorbed == [] and len(calls) == 5  # the latent attention in its kernel, the absorption by XLA
+
+
+def _absorb_problem(rows, heads, nope, rope, v_dim, rank, dtype, seed=0):
+    """q [M, H * (nope + rope)], kv_b_proj as stored [H * (nope + v), R], a row scale [M, 1] (float32)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (rows, heads * (nope + rope)), dtype)
+    kv_b = jax.random.normal(ks[1], (heads * (nope + v_dim), rank), dtype)
+    return q, kv_b, jax.random.uniform(ks[2], (rows, 1), jnp.float32, 0.5, 2.0)
+
+
+def _absorb_reference(q, kv_b, row_scale, heads, nope, v_dim):
+    """The layer's XLA path: scale_rows, then q_nope times each head's W_uk rows (float32, HIGHEST)."""
+    rows = q.shape[0]
+    q = (q.astype(jnp.float32) * row_scale).astype(q.dtype) if row_scale is not None else q
+    q = q.reshape(rows, heads, -1).astype(jnp.float32)
+    w_uk = kv_b.reshape(heads, nope + v_dim, -1)[:, :nope].astype(jnp.float32)  # [H, nope, R]
+    latent = jnp.einsum("mhn,hnr->mhr", q[..., :nope], w_uk, precision=jax.lax.Precision.HIGHEST)
+    return latent, q[..., nope:]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("block_r", [16, 64])
+def test_absorbed_query_kernel_matches_the_einsum(dtype, tol, scaled, block_r):
+    """pallas_absorb.absorb_query: q_nope times W_uk read from kv_b_proj's stored rows, q_rope passed through, both
+    after the row scale (rounded to q's dtype first, as scale_rows); block_r = R is one program per head."""
+    q, kv_b, row_scale = _absorb_problem(3, 4, 16, 8, 32, 64, dtype)
+    row_scale = row_scale if scaled else None
+    latent, q_rope = pallas_absorb.absorb_query(q, kv_b, row_scale, num_heads=4, nope=16, v_dim=32,
+                                                block_r=block_r, interpret=True)
+    want_latent, want_rope = _absorb_reference(q, kv_b, row_scale, 4, 16, 32)
+    assert latent.shape == (3, 4, 64) and q_rope.shape == (3, 4, 8) and latent.dtype == q_rope.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(q_rope, np.float32), np.asarray(want_rope))
+    got, want = np.asarray(latent, np.float32), np.asarray(want_latent)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_absorbed_query_limits():
+    assert pallas_absorb.unsupported_reason(128, 64, 512) is None
+    assert "qk_nope_head_dim to be a power of two, got 96" in pallas_absorb.unsupported_reason(96, 64, 512)
+    assert "kv_lora_rank to be a power of two, got 96" in pallas_absorb.unsupported_reason(128, 64, 96)
+    q, kv_b, row_scale = _absorb_problem(2, 4, 16, 8, 32, 64, jnp.float32)
+    with pytest.raises(ValueError, match="block_r=48 must be a power of two"):
+        pallas_absorb.absorb_query(q, kv_b, None, num_heads=4, nope=16, v_dim=32, block_r=48, interpret=True)
+    with pytest.raises(ValueError, match=r"expected q \[M, H \* \(nope \+ rope\)\] and kv_b"):
+        pallas_absorb.absorb_query(q, kv_b[:-1], None, num_heads=4, nope=16, v_dim=32, interpret=True)
+    with pytest.raises(ValueError, match=r"expected row_scale \[M, 1\] = \(2, 1\), got \(1, 1\)"):
+        pallas_absorb.absorb_query(q, kv_b, row_scale[:1], num_heads=4, nope=16, v_dim=32, interpret=True)
+    assert mla_kernels.absorb_in_kernel("pallas", "out_in", 128, 64, 512)
+    assert not mla_kernels.absorb_in_kernel("xla", "out_in", 128, 64, 512)
+    assert not mla_kernels.absorb_in_kernel("pallas", "in_out", 128, 64, 512)
+    assert not mla_kernels.absorb_in_kernel("pallas", "out_in", 96, 64, 512)
 
 
 def test_combine_reads_only_the_written_runs():

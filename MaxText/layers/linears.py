@@ -79,7 +79,8 @@ def project(config: ml_collections.FrozenConfigDict, x: jax.Array, kernel):
     """x (cast to config.dtype) @ kernel, or a tuple of products for a tuple of kernels, by `dense_matmul_choice`."""
     return dense_matmul(x.astype(config.dtype), kernel, implementation=dense_matmul_choice(config),
                         precision=matmul_precision(config), grid=config.dense_matmul_grid,
-                        pad_rows=config.dense_pad_rows)
+                        pad_rows=config.dense_pad_rows,
+                        row_reduce_max_elements=config.dense_row_reduce_max_elements)
 
 
 def scale_rows(y: jax.Array, row_scale: jax.Array | None) -> jax.Array:

@@ -85,14 +85,16 @@ class MultiHeadLatentAttention(nn.Module):
         dtype, precision = jnp.dtype(cfg.dtype), matmul_precision(cfg)
         batch, seq_len, _ = x.shape
 
-        # Queries.
+        # Queries: the projection q_unscaled [B, T, H * (nope + rope)], then times q_scale (the deferred input norm).
         if cfg.q_lora_rank:
             q_a = scale_rows(Dense(cfg, cfg.q_lora_rank, ("embed", None), name="q_a_proj")(x), input_row_scale)
             q_a = RMSNorm(cfg, LATENT_NORM_EPSILON, None, name="q_a_layernorm")(q_a)
-            q = Dense(cfg, num_heads * (nope + rope), (None, "mla_heads"), name="q_b_proj")(q_a)
+            q_unscaled = Dense(cfg, num_heads * (nope + rope), (None, "mla_heads"), name="q_b_proj")(q_a)
+            q_scale = None
         else:
-            q = scale_rows(Dense(cfg, num_heads * (nope + rope), ("embed", "mla_heads"), name="q_proj")(x),
-                           input_row_scale)
+            q_unscaled = Dense(cfg, num_heads * (nope + rope), ("embed", "mla_heads"), name="q_proj")(x)
+            q_scale = input_row_scale
+        q = scale_rows(q_unscaled, q_scale)
         q = nn.with_logical_constraint(q.reshape(batch, seq_len, num_heads, nope + rope), HEAD_ACTIVATION_AXES)
         q_nope, q_rope = q[..., :nope], q[..., nope:]  # [B, T, H, nope], [B, T, H, rope]
 
@@ -103,8 +105,8 @@ class MultiHeadLatentAttention(nn.Module):
         latent = jnp.concatenate([c, kv_a[..., rank:]], axis=-1)  # [B, T, R + rope]
         new_valid = (jnp.ones((batch, seq_len), jnp.bool_) if decoder_segment_ids is None
                      else decoder_segment_ids != 0)  # [B, T]
-        w_kv_b = DenseKernel(cfg, (rank, num_heads * (nope + v_dim)), (None, "mla_heads"), name="kv_b_proj")()
-        w_kv_b = w_kv_b.reshape(rank, num_heads, nope + v_dim)
+        kv_b_kernel = DenseKernel(cfg, (rank, num_heads * (nope + v_dim)), (None, "mla_heads"), name="kv_b_proj")()
+        w_kv_b = kv_b_kernel.reshape(rank, num_heads, nope + v_dim)
         w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]  # [R, H, nope], [R, H, v]
 
         # Keys: the input itself (train), or every cache position after writing the new tokens.
@@ -116,11 +118,17 @@ class MultiHeadLatentAttention(nn.Module):
         scale = (nope + rope) ** -0.5
 
         if model_mode in ("autoregressive", "verify"):
-            # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv); the attention
-            # over the latent cache runs as `mla_kernel` picks (MaxText/kernels/mla).
-            q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision=precision)  # [B, T, H, R]
+            # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv); the absorbed
+            # query and the attention over the latent cache run as `mla_kernel` picks (MaxText/kernels/mla).
+            implementation = mla_kernels.resolve(cfg.mla_kernel, dtype, rank, rope, keys.shape[1])
+            if mla_kernels.absorb_in_kernel(implementation, cfg.dense_kernel_layout, nope, rope, rank):
+                # kv_b_kernel.T is the param as stored: XLA reads it in place.
+                q_latent, q_rope = mla_kernels.absorb_query(q_unscaled, q_scale, kv_b_kernel.T, num_heads=num_heads,
+                                                            nope=nope, v_dim=v_dim)  # [B, T, H, R], [B, T, H, rope]
+            else:
+                q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision=precision)  # [B, T, H, R]
             out_latent = mla_kernels.latent_attention(q_latent, q_rope, keys, query_positions, key_valid,
-                                                      scale=scale, implementation=cfg.mla_kernel,
+                                                      scale=scale, implementation=implementation,
                                                       precision=precision)  # [B, T, H, R]
             out = jnp.einsum("bthr,rhv->bthv", out_latent, w_uv, precision=precision)  # [B, T, H, v]
         else:

@@ -254,18 +254,38 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
                                "xla", "auto or xla")
 
 
+# XLA:GPU rewrites a one-row product into its reduction emitter only when the operands have fewer elements than this
+# (DotStrengthReduction); a larger one runs as a cuBLAS GEMM.
+XLA_ROW_REWRITE_ELEMENTS = 10_000_000
+
+
+def row_product_as_reduce(x: jax.Array, kernel: jax.Array, max_elements: int) -> bool:
+    """Whether `dense_matmul`'s XLA product of one row writes x @ kernel as multiply + sum: a kernel of more than
+    XLA_ROW_REWRITE_ELEMENTS and at most `max_elements` elements (0: never)."""
+    return math.prod(x.shape[:-1]) == 1 and XLA_ROW_REWRITE_ELEMENTS < kernel.size <= max_elements
+
+
+def row_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., K] (one row) @ kernel [K, N] as float32 products summed over K, rounded to x's dtype: the math of a
+    dot at DEFAULT precision, in the form XLA:GPU streams through its reduction emitter."""
+    return jnp.sum(x[..., :, None].astype(jnp.float32) * kernel.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
 def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precision=None, grid: str = "tiles",
-                 pad_rows: bool = False):
+                 pad_rows: bool = False, row_reduce_max_elements: int = 0):
     """x [..., K] @ kernel [K, N] -> [..., N] in x's dtype. xla: jnp.dot (with `precision`). pallas: the grouped
     matmul's tiles grid with one group and K split over programs (pallas_gmm.dense_matmul): XLA's M = 1
     products read an H200's memory at ~0.6 TB/s in a Kimi-Linear-48B decode step (benchmarks/RESULTS.md).
     `kernel` may be a tuple of same-shape [K, N] kernels: returns the tuple of products (pallas: one launch).
     grid, pad_rows: the Pallas kernel's grid and whether its tiles grid pads the rows to a 16-row block
-    (pallas_gmm.dense_matmul; config keys `dense_matmul_grid`, `dense_pad_rows`)."""
+    (pallas_gmm.dense_matmul; config keys `dense_matmul_grid`, `dense_pad_rows`). row_reduce_max_elements: XLA's
+    one-row products of larger kernels than XLA rewrites itself, up to this many elements, as multiply + sum
+    (`row_product`; config key `dense_row_reduce_max_elements`)."""
     kernels, several = as_tuple(kernel)
     rows = math.prod(x.shape[:-1])
     if resolve_dense(implementation, x.dtype, x.shape[-1], kernels[0].shape[-1], rows) == "xla":
-        outs = tuple(jnp.dot(x, k, precision=precision) for k in kernels)
+        outs = tuple(row_product(x, k) if row_product_as_reduce(x, k, row_reduce_max_elements)
+                     else jnp.dot(x, k, precision=precision) for k in kernels)
     else:
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel
         outs = pallas_gmm.dense_matmul(x.reshape(rows, x.shape[-1]), kernels, grid=grid,

@@ -9,6 +9,9 @@ latent cache.
     scores = (q_latent . c + q_rope . k_rot) * scale over the positions s <= the query's with key_valid;
     out_latent = softmax(scores) c (float32 softmax; a query that sees nothing gets zeros).
 
+At decode the Pallas path also forms the absorbed query in one launch (`absorb_query`, pallas_absorb.py: q_nope times
+each head's W_uk rows of kv_b_proj as stored, and q_rope) where the kernels are stored out_in; else XLA's einsum.
+
 Implementations:
   xla     naive.latent_attention, the oracle: XLA einsums (at `precision`) and a masked softmax. Any backend; on a
           GPU ~12 kernels per MLA layer and step, and the cache read several times (slices, a pad).
@@ -54,3 +57,25 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, keys: jax.Array, qu
         return pallas_decode.latent_attention(q_latent, q_rope, keys, query_positions, key_valid, scale=scale)
     return naive_latent_attention(q_latent, q_rope, keys, query_positions, key_valid, scale=scale,
                                   precision=precision)
+
+
+def absorb_in_kernel(implementation: str, dense_kernel_layout: str, nope: int, rope: int, rank: int) -> bool:
+    """Whether the layer forms its absorbed query with `absorb_query`: the resolved `implementation` is pallas, the
+    kernels are stored out_in (kv_b_proj's W_uk rows read in place) and the kernel takes the head sizes."""
+    from MaxText.kernels.mla import pallas_absorb  # pylint: disable=import-outside-toplevel
+    return (implementation == "pallas" and dense_kernel_layout == "out_in"
+            and pallas_absorb.unsupported_reason(nope, rope, rank) is None)
+
+
+def absorb_query(q: jax.Array, row_scale: jax.Array | None, kv_b: jax.Array, *, num_heads: int, nope: int,
+                 v_dim: int) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, H * (nope + P)] before the deferred input norm's row_scale [B, T, 1] (None: no scaling), kv_b_proj's
+    kernel as stored [H * (nope + v), R] -> (q_latent [B, T, H, R], q_rope [B, T, H, P]) in q's dtype, in one Pallas
+    launch (pallas_absorb.absorb_query)."""
+    from MaxText.kernels.mla import pallas_absorb  # pylint: disable=import-outside-toplevel
+    batch, num_tokens, width = q.shape
+    rows = batch * num_tokens
+    q_latent, q_rope = pallas_absorb.absorb_query(
+        q.reshape(rows, width), kv_b, None if row_scale is None else row_scale.reshape(rows, 1),
+        num_heads=num_heads, nope=nope, v_dim=v_dim)  # [M, H, R], [M, H, P]
+    return (q_latent.reshape(batch, num_tokens, num_heads, -1), q_rope.reshape(batch, num_tokens, num_heads, -1))
