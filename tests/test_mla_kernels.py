@@ -142,6 +142,7 @@ def test_mla_layer_decodes_through_the_pallas_kernel(monkeypatch):
     monkeypatch.setattr(grouped_matmul, "single_gpu_reason", lambda kernel: None)
     monkeypatch.setattr(pallas_decode, "latent_attention", interpreted)
     monkeypatch.setattr(pallas_absorb, "absorb_query", interpreted_absorb)
+    monkeypatch.setattr(mla_kernels, "ABSORB_MAX_ROWS", 6)  # (default 1) the kernel for these 2 and 6 token rows
 
     def decode(config):
         mla = MultiHeadLatentAttention(config)
@@ -217,10 +218,11 @@ def test_absorbed_query_limits():
         pallas_absorb.absorb_query(q, kv_b[:-1], None, num_heads=4, nope=16, v_dim=32, interpret=True)
     with pytest.raises(ValueError, match=r"expected row_scale \[M, 1\] = \(2, 1\), got \(1, 1\)"):
         pallas_absorb.absorb_query(q, kv_b, row_scale[:1], num_heads=4, nope=16, v_dim=32, interpret=True)
-    assert mla_kernels.absorb_in_kernel("pallas", "out_in", 128, 64, 512)
-    assert not mla_kernels.absorb_in_kernel("xla", "out_in", 128, 64, 512)
-    assert not mla_kernels.absorb_in_kernel("pallas", "in_out", 128, 64, 512)
-    assert not mla_kernels.absorb_in_kernel("pallas", "out_in", 96, 64, 512)
+    assert mla_kernels.absorb_in_kernel("pallas", "out_in", 128, 64, 512, 1)
+    assert not mla_kernels.absorb_in_kernel("pallas", "out_in", 128, 64, 512, 2)  # batch 2: XLA's einsum
+    assert not mla_kernels.absorb_in_kernel("xla", "out_in", 128, 64, 512, 1)
+    assert not mla_kernels.absorb_in_kernel("pallas", "in_out", 128, 64, 512, 1)
+    assert not mla_kernels.absorb_in_kernel("pallas", "out_in", 96, 64, 512, 1)
 
 
 def test_combine_reads_only_the_written_runs():

@@ -121,7 +121,8 @@ class MultiHeadLatentAttention(nn.Module):
             # Latent space: q_nope . (c W_uk) == (q_nope W_uk^T) . c, and (p c) W_uv == p (c W_uv); the absorbed
             # query and the attention over the latent cache run as `mla_kernel` picks (MaxText/kernels/mla).
             implementation = mla_kernels.resolve(cfg.mla_kernel, dtype, rank, rope, keys.shape[1])
-            if mla_kernels.absorb_in_kernel(implementation, cfg.dense_kernel_layout, nope, rope, rank):
+            if mla_kernels.absorb_in_kernel(implementation, cfg.dense_kernel_layout, nope, rope, rank,
+                                            batch * seq_len):
                 # kv_b_kernel.T is the param as stored: XLA reads it in place.
                 q_latent, q_rope = mla_kernels.absorb_query(q_unscaled, q_scale, kv_b_kernel.T, num_heads=num_heads,
                                                             nope=nope, v_dim=v_dim)  # [B, T, H, R], [B, T, H, rope]

@@ -9,8 +9,9 @@ latent cache.
     scores = (q_latent . c + q_rope . k_rot) * scale over the positions s <= the query's with key_valid;
     out_latent = softmax(scores) c (float32 softmax; a query that sees nothing gets zeros).
 
-At decode the Pallas path also forms the absorbed query in one launch (`absorb_query`, pallas_absorb.py: q_nope times
-each head's W_uk rows of kv_b_proj as stored, and q_rope) where the kernels are stored out_in; else XLA's einsum.
+At batch-1 decode the Pallas path also forms the absorbed query in one launch (`absorb_query`, pallas_absorb.py: q_nope
+times each head's W_uk rows of kv_b_proj as stored, and q_rope) where the kernels are stored out_in; else XLA's
+einsum.
 
 Implementations:
   xla     naive.latent_attention, the oracle: XLA einsums (at `precision`) and a masked softmax. Any backend; on a
@@ -59,11 +60,19 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, keys: jax.Array, qu
                                   precision=precision)
 
 
-def absorb_in_kernel(implementation: str, dense_kernel_layout: str, nope: int, rope: int, rank: int) -> bool:
-    """Whether the layer forms its absorbed query with `absorb_query`: the resolved `implementation` is pallas, the
-    kernels are stored out_in (kv_b_proj's W_uk rows read in place) and the kernel takes the head sizes."""
+# `absorb_query` for at most this many token rows (B * T): each program reads its head's W_uk slice for one row, so
+# W_uk is read once per row; timed on an H200 at batch-1 decode only (benchmarks/RESULTS.md, thirty-eighth session).
+# More rows keep XLA's einsum, which reads it once for all of them.
+ABSORB_MAX_ROWS = 1
+
+
+def absorb_in_kernel(implementation: str, dense_kernel_layout: str, nope: int, rope: int, rank: int,
+                     rows: int) -> bool:
+    """Whether the layer forms the absorbed query of `rows` token rows with `absorb_query`: the resolved
+    `implementation` is pallas, the kernels are stored out_in (kv_b_proj's W_uk rows read in place), the kernel takes
+    the head sizes and there are at most ABSORB_MAX_ROWS rows."""
     from MaxText.kernels.mla import pallas_absorb  # pylint: disable=import-outside-toplevel
-    return (implementation == "pallas" and dense_kernel_layout == "out_in"
+    return (implementation == "pallas" and dense_kernel_layout == "out_in" and rows <= ABSORB_MAX_ROWS
             and pallas_absorb.unsupported_reason(nope, rope, rank) is None)
 
 
