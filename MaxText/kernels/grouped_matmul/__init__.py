@@ -259,10 +259,10 @@ def resolve_dense(implementation: str, dtype, contract_dim: int, out_dim: int, n
 XLA_ROW_REWRITE_ELEMENTS = 10_000_000
 
 
-def row_product_as_reduce(x: jax.Array, kernel: jax.Array, max_elements: int) -> bool:
-    """Whether `dense_matmul`'s XLA product of one row writes x @ kernel as multiply + sum: a kernel of more than
-    XLA_ROW_REWRITE_ELEMENTS and at most `max_elements` elements (0: never)."""
-    return math.prod(x.shape[:-1]) == 1 and XLA_ROW_REWRITE_ELEMENTS < kernel.size <= max_elements
+def row_product_as_reduce(rows: int, kernel_elements: int, max_elements: int) -> bool:
+    """Whether `dense_matmul`'s XLA product of `rows` rows writes x @ kernel as multiply + sum: one row, a kernel of
+    more than XLA_ROW_REWRITE_ELEMENTS and at most `max_elements` elements (0: never)."""
+    return rows == 1 and XLA_ROW_REWRITE_ELEMENTS < kernel_elements <= max_elements
 
 
 def row_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -284,7 +284,7 @@ def dense_matmul(x: jax.Array, kernel, *, implementation: str = "auto", precisio
     kernels, several = as_tuple(kernel)
     rows = math.prod(x.shape[:-1])
     if resolve_dense(implementation, x.dtype, x.shape[-1], kernels[0].shape[-1], rows) == "xla":
-        outs = tuple(row_product(x, k) if row_product_as_reduce(x, k, row_reduce_max_elements)
+        outs = tuple(row_product(x, k) if row_product_as_reduce(rows, k.size, row_reduce_max_elements)
                      else jnp.dot(x, k, precision=precision) for k in kernels)
     else:
         from MaxText.kernels.grouped_matmul import pallas_gmm  # pylint: disable=import-outside-toplevel

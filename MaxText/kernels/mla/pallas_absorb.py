@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from MaxText.kernels.mla.pallas_decode import power_of_two
+
 BLOCK_R = 64
 NUM_WARPS = 4
 
@@ -50,14 +52,10 @@ def _absorb_kernel(q_ref, w_ref, *rest, nope, rope, v_dim, block_r, scaled):
         rope_ref[row, head, :] = scaled_q(q_start + nope, rope).astype(rope_ref.dtype)
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
-
-
 def unsupported_reason(nope: int, rope: int, rank: int) -> str | None:
     """None when the kernel takes these head sizes (Triton's block shapes are powers of two)."""
     for name, dim in (("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope), ("kv_lora_rank", rank)):
-        if not _power_of_two(dim):
+        if not power_of_two(dim):
             return f"the Pallas MLA query absorption needs {name} to be a power of two, got {dim}"
     return None
 
@@ -78,7 +76,7 @@ def absorb_query(q: jax.Array, kv_b: jax.Array, row_scale: jax.Array | None, *, 
     reason = unsupported_reason(nope, rope, rank)
     if reason:
         raise ValueError(reason)
-    if not _power_of_two(block_r):
+    if not power_of_two(block_r):
         raise ValueError(f"block_r={block_r} must be a power of two")
     block_r = min(block_r, rank)
     scaled = row_scale is not None

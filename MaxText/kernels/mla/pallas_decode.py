@@ -44,7 +44,8 @@ TARGET_PROGRAMS = 256
 MIN_BLOCKS_PER_RUN = 2  # (each run adds [T*H, R] float32 partials for the combine to read)
 
 
-def _power_of_two(n: int) -> bool:
+def power_of_two(n: int) -> bool:
+    """Whether n is a power of two >= 1 (Triton's block shapes must be)."""
     return n >= 1 and not n & (n - 1)
 
 
@@ -60,7 +61,7 @@ def unsupported_reason(dtype, rank: int, rope: int, num_keys: int) -> str | None
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         return f"the Pallas MLA decode takes bfloat16 or float32 inputs, got {jnp.dtype(dtype)}"
     for name, dim in (("kv_lora_rank", rank), ("qk_rope_head_dim", rope)):
-        if dim < 16 or not _power_of_two(dim):
+        if dim < 16 or not power_of_two(dim):
             return f"the Pallas MLA decode needs {name} to be a power of two >= 16, got {dim}"
     if num_keys < MMA_ROWS:
         return f"the Pallas MLA decode needs a cache of at least {MMA_ROWS} positions, got {num_keys}"
@@ -176,7 +177,7 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     if reason:
         raise ValueError(reason)
     block_s = default_block(num_keys) if block_s is None else block_s
-    if not MMA_ROWS <= block_s <= num_keys or not _power_of_two(block_s):
+    if not MMA_ROWS <= block_s <= num_keys or not power_of_two(block_s):
         raise ValueError(f"block_s={block_s} must be a power of two in [{MMA_ROWS}, S={num_keys}]")
     num_blocks = -(-num_keys // block_s)
     runs = default_runs(batch, num_blocks) if runs is None else runs
@@ -185,7 +186,7 @@ def latent_attention(q_latent, q_rope, keys, query_positions, key_valid, *, scal
     num_rows = num_tokens * num_heads  # a batch row's query rows, together
     padded = padded_rows(num_rows)
     block_h = default_block_h(batch, num_rows) if block_h is None else min(block_h, padded)
-    if block_h < MMA_ROWS or not _power_of_two(block_h):
+    if block_h < MMA_ROWS or not power_of_two(block_h):
         raise ValueError(f"block_h={block_h} must be a power of two >= {MMA_ROWS}")
     pad = ((0, 0), (0, padded - num_rows), (0, 0))
     q = jnp.pad(q_latent.reshape(batch, num_rows, rank), pad)  # [B, M, R]
