@@ -71,9 +71,10 @@ def absorb_in_kernel(implementation: str, dense_kernel_layout: str, nope: int, r
     """Whether the layer forms the absorbed query of `rows` token rows with `absorb_query`: the resolved
     `implementation` is pallas, the kernels are stored out_in (kv_b_proj's W_uk rows read in place), the kernel takes
     the head sizes and there are at most ABSORB_MAX_ROWS rows."""
+    if implementation != "pallas" or dense_kernel_layout != "out_in" or rows > ABSORB_MAX_ROWS:
+        return False  # (decided before the import: the Pallas module is only loaded where it may run)
     from MaxText.kernels.mla import pallas_absorb  # pylint: disable=import-outside-toplevel
-    return (implementation == "pallas" and dense_kernel_layout == "out_in" and rows <= ABSORB_MAX_ROWS
-            and pallas_absorb.unsupported_reason(nope, rope, rank) is None)
+    return pallas_absorb.unsupported_reason(nope, rope, rank) is None
 
 
 def absorb_query(q: jax.Array, row_scale: jax.Array | None, kv_b: jax.Array, *, num_heads: int, nope: int,
