@@ -25,7 +25,8 @@ rerun's "compile" time may be a cache load. Stages (--stages, comma-separated; d
            with the dense kernels transposed on the device (Setup.params_for); keys 'xla_...' are XLA options of
            the step's compile, e.g. xla_gpu_autotune_level=0 (true / false: booleans); steps_per_call=N: N steps
            unrolled in each call of the timed program, one host dispatch for N steps, no tokens crc): the prefilled
-           prompt's cache repeated over B rows (a synthetic cache of the same context when prefill did not run), B
+           prompt's cache repeated over B rows (a synthetic cache of the same context when prefill did not run; an
+           entry that only the variant's config makes, e.g. a kernel's counters, as zeros), B
            distinct first tokens, then ONE jitted single-step program (cache donated, greedy argmax inside, no host
            sync in the step) issued back to back.
            Every output of the step is written in place of its own donated input (cache, tokens, the running
@@ -517,7 +518,7 @@ class Setup:
 
     def __init__(self, config: ml_collections.FrozenConfigDict, mesh: jax.sharding.Mesh, param_shardings, params):
         self.config, self.mesh, self.param_shardings, self.params = config, mesh, param_shardings, params
-        self._abstract_caches: dict[int, Any] = {}
+        self._abstract_caches: dict[tuple[int, ml_collections.FrozenConfigDict], Any] = {}
         self._relaid: dict[str, tuple[Any, Any]] = {}  # dense_kernel_layout -> (params, shardings)
 
     def params_for(self, config: ml_collections.FrozenConfigDict) -> tuple[Any, Any]:
@@ -542,14 +543,16 @@ class Setup:
     def rows(self, ndim: int) -> NamedSharding:
         return sharding.batch_sharding(self.mesh, self.config, ndim)
 
-    def abstract_cache(self, batch: int):
-        """The cache tree of `batch` rows (ShapeDtypeStructs); nothing is allocated."""
-        if batch not in self._abstract_caches:
-            self._abstract_caches[batch] = jax.eval_shape(lambda: init_cache(self.config, batch))
-        return self._abstract_caches[batch]
+    def abstract_cache(self, batch: int, config: ml_collections.FrozenConfigDict | None = None):
+        """The cache tree of `batch` rows (ShapeDtypeStructs) for `config` (default: the setup's; a decode setting's
+        config may hold other entries, e.g. a kernel's counters); nothing is allocated."""
+        config = config or self.config
+        if (batch, config) not in self._abstract_caches:
+            self._abstract_caches[batch, config] = jax.eval_shape(lambda: init_cache(config, batch))
+        return self._abstract_caches[batch, config]
 
-    def cache_shardings(self, batch: int):
-        return sharding.cache_shardings(self.abstract_cache(batch), self.mesh, self.config)
+    def cache_shardings(self, batch: int, config: ml_collections.FrozenConfigDict | None = None):
+        return sharding.cache_shardings(self.abstract_cache(batch, config), self.mesh, config or self.config)
 
     def compile(self, fn, example_args, xla_options=None, **jit_kwargs):
         """(jax.jit(fn, **jit_kwargs) lowered and compiled for `example_args` with the XLA compile options
@@ -699,13 +702,20 @@ def unrolled(step, steps_per_call: int):
     return decode_step
 
 
-def batch_cache(setup: Setup, prefilled, batch: int, context: int):
-    """A `batch`-row cache at `context` tokens: the prefilled 1-row cache repeated, or (no prefill) a synthetic one
-    (random latents and states, `context` valid positions); decode cost does not depend on the values."""
-    shardings = setup.cache_shardings(batch)
+def batch_cache(setup: Setup, prefilled, batch: int, context: int,
+                config: ml_collections.FrozenConfigDict | None = None):
+    """A `batch`-row cache at `context` tokens with the entries of `config`'s cache (default: the setup's): the
+    prefilled 1-row cache repeated (an entry the prefill's config does not make, e.g. a kernel's counters, as zeros),
+    or (no prefill) a synthetic one (random latents and states, `context` valid positions); decode cost does not
+    depend on the values."""
+    shardings = setup.cache_shardings(batch, config)
+    abstract = setup.abstract_cache(batch, config)
     if prefilled is not None:
-        return jax.jit(lambda c: jax.tree.map(lambda x: jnp.repeat(x, batch, axis=0), c),
-                       out_shardings=shardings)(prefilled)
+        rows = dict(jax.tree_util.tree_flatten_with_path(prefilled)[0])
+
+        def from_prefill(path, leaf):
+            return jnp.repeat(rows[path], batch, axis=0) if path in rows else jnp.zeros(leaf.shape, leaf.dtype)
+        return jax.jit(lambda: jax.tree_util.tree_map_with_path(from_prefill, abstract), out_shardings=shardings)()
 
     def synthetic(path, leaf):
         name = str(getattr(path[-1], "key", path[-1]))
@@ -718,7 +728,6 @@ def batch_cache(setup: Setup, prefilled, batch: int, context: int):
             return (0.1 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
         return jnp.zeros(leaf.shape, leaf.dtype)
 
-    abstract = setup.abstract_cache(batch)
     return jax.jit(lambda: jax.tree_util.tree_map_with_path(synthetic, abstract), out_shardings=shardings)()
 
 
@@ -797,11 +806,11 @@ def run_decode(setup: Setup, args, batch: int, moe: str, variant: str, prefilled
     if args.warmup % per_call or args.steps % per_call or args.synced_steps % per_call:
         raise ValueError(f"{setting}: --warmup {args.warmup}, --steps {args.steps} and --synced-steps "
                          f"{args.synced_steps} must be multiples of {STEPS_PER_CALL}={per_call}")
-    cache = batch_cache(setup, prefilled, batch, args.prompt_len)
+    cache = batch_cache(setup, prefilled, batch, args.prompt_len, config)
     params, param_shardings = setup.params_for(config)
     rng = np.random.default_rng(batch)
     tokens = jax.device_put(rng.choice(config.vocab_size, batch, replace=False).astype(np.int32), setup.rows(1))
-    cache_shardings = setup.cache_shardings(batch)
+    cache_shardings = setup.cache_shardings(batch, config)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     counts = jax.device_put(np.zeros((config.mlp_types.count("moe"),), np.int32), replicated)  # distinct_sum
     step, compile_s = setup.compile(

@@ -207,6 +207,23 @@ def test_smoke_run_end_to_end_on_cpu(tmp_path):
         assert table_text in proc.stdout
 
 
+@pytest.mark.parametrize("stages", ["init,prefill,decode", "init,decode"])
+def test_a_decode_variant_with_other_cache_entries_gets_its_own_cache(tmp_path, stages):
+    """A --decode-variants value whose config makes a cache entry the run's config does not (here the KDA decode's
+    norm counters, kda_decode_out_norm) decodes on a cache with that entry (zeros) after a prefill or on a synthetic
+    cache, instead of failing on the step's cache tree."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "model_decode.py"), "--smoke",
+                           "kda_decode_out_norm=false", "--stages", stages, "--batches", "1", "--out", str(tmp_path),
+                           "--decode-variants", "", "kda_decode_out_norm=true"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "model_decode.json").read_text())
+    assert results["errors"] == {}
+    assert [(r["variant"], r["tpot_ms"] > 0) for r in results["decode"]] == [("", True),
+                                                                            ("kda_decode_out_norm=true", True)]
+
+
 def test_engine_stage_needs_a_decode_step():
     with pytest.raises(SystemExit):
         model_decode.parse_args(["--smoke", "--engine-tokens", "1"])
