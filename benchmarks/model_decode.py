@@ -711,11 +711,12 @@ def batch_cache(setup: Setup, prefilled, batch: int, context: int,
     shardings = setup.cache_shardings(batch, config)
     abstract = setup.abstract_cache(batch, config)
     if prefilled is not None:
-        rows = dict(jax.tree_util.tree_flatten_with_path(prefilled)[0])
-
-        def from_prefill(path, leaf):
-            return jnp.repeat(rows[path], batch, axis=0) if path in rows else jnp.zeros(leaf.shape, leaf.dtype)
-        return jax.jit(lambda: jax.tree_util.tree_map_with_path(from_prefill, abstract), out_shardings=shardings)()
+        def from_prefill(one_row):  # (the prefilled cache an argument: no constants in the program)
+            leaves = dict(jax.tree_util.tree_flatten_with_path(one_row)[0])
+            return jax.tree_util.tree_map_with_path(
+                lambda path, leaf: jnp.repeat(leaves[path], batch, axis=0) if path in leaves
+                else jnp.zeros(leaf.shape, leaf.dtype), abstract)
+        return jax.jit(from_prefill, out_shardings=shardings)(prefilled)
 
     def synthetic(path, leaf):
         name = str(getattr(path[-1], "key", path[-1]))
