@@ -546,13 +546,14 @@ class Setup:
     def abstract_cache(self, batch: int, config: ml_collections.FrozenConfigDict | None = None):
         """The cache tree of `batch` rows (ShapeDtypeStructs) for `config` (default: the setup's; a decode setting's
         config may hold other entries, e.g. a kernel's counters); nothing is allocated."""
-        config = config or self.config
+        config = self.config if config is None else config
         if (batch, config) not in self._abstract_caches:
             self._abstract_caches[batch, config] = jax.eval_shape(lambda: init_cache(config, batch))
         return self._abstract_caches[batch, config]
 
     def cache_shardings(self, batch: int, config: ml_collections.FrozenConfigDict | None = None):
-        return sharding.cache_shardings(self.abstract_cache(batch, config), self.mesh, config or self.config)
+        config = self.config if config is None else config
+        return sharding.cache_shardings(self.abstract_cache(batch, config), self.mesh, config)
 
     def compile(self, fn, example_args, xla_options=None, **jit_kwargs):
         """(jax.jit(fn, **jit_kwargs) lowered and compiled for `example_args` with the XLA compile options
