@@ -44,7 +44,12 @@ stem = path[:-len(".ttir")]
 open(stem + ".ptx", "w").write(kernel.asm["ptx"])
 open(stem + ".cubin", "wb").write(kernel.asm["cubin"])
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-info = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", stem + ".ptx", "-o", os.devnull],
+try:  # the ptxas Triton compiled with (Triton >= 3.9 takes a newer one for sm_90 and up)
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path
+except (ImportError, TypeError, AttributeError):
+    ptxas = os.path.join(tools, "ptxas")
+info = subprocess.run([ptxas, "-arch=sm_90a", "-v", stem + ".ptx", "-o", os.devnull],
                       capture_output=True, text=True).stderr
 sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", stem + ".cubin"], capture_output=True, text=True).stdout
 open(stem + ".sass", "w").write(sass)
@@ -57,10 +62,14 @@ print(f"shared={kernel.metadata.shared} triton={triton.__version__} sass=" +
 
 def kernel_variants():
     """name -> (num_warps, num_stages, fn, abstract args): the KDA kernels' defaults and the variants
-    `kda_kernels.py --tune` and `--sweep` time, and the MoE router's kernels."""
+    `kda_kernels.py --tune` and `--sweep` time, the speculative verify, and the batch-1 decode step's other Pallas
+    kernels (norms, MoE router and experts, MLA's absorbed query, latent attention and its combine) at the 48B
+    model's shapes."""
     from MaxText.kernels.grouped_matmul import pallas_gmm
     from MaxText.kernels.kda import pallas_chunk as pc, pallas_ops
+    from MaxText.kernels.mla import pallas_absorb, pallas_decode as mla_decode
     from MaxText.kernels.moe_router import pallas_route
+    from MaxText.kernels.rms_norm import pallas_norm
     S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     q, G, beta = S((TOKENS, H, K), bf), S((TOKENS, H, K), f32), S((TOKENS, H), bf)
     diag_blocks, akk = (S((H, TOKENS, 16), f32),) * 2, S((H, TOKENS, 64), f32)
@@ -98,13 +107,37 @@ def kernel_variants():
     variants["moe experts gate 9 rows"] = (4, 3, pallas_gmm.grouped_matmul, experts)  # the default: tensor cores
     variants["moe experts gate 9 rows, shared expert row"] = (4, 3, lambda *a: pallas_gmm.grouped_matmul(
         *a[:4], extra_weights=a[4]), experts + (S((1, 2304, 1024), bf),))
+    verify = [S((1, 4, H, K), bf)] * 3 + [S((1, 4, H, K), f32), S((1, 4, H), bf), S((1, H, K, V), f32)]
+    variants["verify 4 tokens"] = (4, 1, lambda *a: pallas_ops.recurrent_kda_checkpoints(
+        *a[:5], initial_state=a[5]), verify)
+    row, update, norm_scale = S((1, 2304), bf), S((1, 2304), f32), S((2304,), bf)
+    variants["rms norm 1 row"] = (4, 1, lambda *a: pallas_norm.rms_norm(*a, 1e-5), (row, norm_scale))
+    variants["add rms norm 1 row"] = (4, 1, lambda *a: pallas_norm.add_rms_norm(*a, 1e-5), (row, update, norm_scale))
+    variants["moe norm and route 1 token"] = (4, 1, lambda *a: pallas_route.norm_and_route(
+        *a, epsilon=1e-5, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.446),
+        (row, update, norm_scale, S((2304, 256), bf), S((256,), f32)))
+    heads, nope, rope, rank, keys = 32, 128, 64, 512, 4096  # MLA
+    variants["mla absorbed query 1 row"] = (pallas_absorb.NUM_WARPS, 1, lambda *a: pallas_absorb.absorb_query(
+        *a, None, num_heads=heads, nope=nope, v_dim=V), (S((1, heads * (nope + rope)), bf),
+                                                         S((heads * (nope + V), rank), bf)))
+    def latent_attention(*a):
+        return mla_decode.latent_attention(*a, scale=0.1)
+    latent_attention.triton_kernel = "mla_latent_decode"  # (then its runs' combine)
+    variants["mla latent attention 1 row"] = (mla_decode.NUM_WARPS, mla_decode.NUM_STAGES, latent_attention, (
+        S((1, 1, heads, rank), bf), S((1, 1, heads, rope), bf), S((1, keys, rank + rope), bf), S((1, 1), jnp.int32),
+        S((1, keys), jnp.bool_)))
+    runs = 64
+    variants["mla combine runs 1 row"] = (4, 1, lambda *a: mla_decode.combine_runs(*a, runs, bf), (
+        S((1, runs, heads), f32), S((1, runs, heads), f32), S((1, runs, heads, rank), f32)))
     return variants
 
 
-def triton_ir(fn, args) -> str:
-    """The Triton IR (text) of the last Pallas kernel `fn` lowers to, captured from JAX's Pallas Triton lowering."""
+def triton_ir(fn, args, kernel: str | None = None) -> str:
+    """The Triton IR (text) of a Pallas kernel `fn` lowers to, captured from JAX's Pallas Triton lowering: the kernel
+    named `kernel` (its `tt.func`; default: `fn.triton_kernel` where set), else the last one lowered."""
     from jax._src.pallas.triton import pallas_call_registration as registration
     lower = registration.lowering.lower_jaxpr_to_triton_module
+    kernel = kernel or getattr(fn, "triton_kernel", None)
     captured = []
 
     def capture(*a, **kw):
@@ -117,8 +150,10 @@ def triton_ir(fn, args) -> str:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
+    if kernel:
+        captured = [ir for ir in captured if f"tt.func public @{kernel}(" in ir]
     if not captured:
-        raise RuntimeError("no Pallas Triton kernel was lowered")
+        raise RuntimeError(f"no Pallas Triton kernel {kernel or ''} was lowered".replace("  ", " "))
     return captured[-1]
 
 
