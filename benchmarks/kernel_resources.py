@@ -153,7 +153,7 @@ def triton_ir(fn, args, kernel: str | None = None) -> str:
     if kernel:
         captured = [ir for ir in captured if f"tt.func public @{kernel}(" in ir]
     if not captured:
-        raise RuntimeError(f"no Pallas Triton kernel {kernel or ''} was lowered".replace("  ", " "))
+        raise RuntimeError(f"no Pallas Triton kernel{f' named {kernel!r}' if kernel else ''} was lowered")
     return captured[-1]
 
 
