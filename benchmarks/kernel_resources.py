@@ -126,6 +126,16 @@ def kernel_variants():
     variants["mla latent attention 1 row"] = (mla_decode.NUM_WARPS, mla_decode.NUM_STAGES, latent_attention, (
         S((1, 1, heads, rank), bf), S((1, 1, heads, rope), bf), S((1, keys, rank + rope), bf), S((1, 1), jnp.int32),
         S((1, keys), jnp.bool_)))
+    from MaxText.kernels.kda import pallas_project_decode as project_decode, project_decode as project_reference
+    D, W = 2304, 4
+    weights = project_reference.ProjectionWeights(
+        q=S((H * K, D), bf), k=S((H * K, D), bf), v=S((H * V, D), bf), f_a=S((K, D), bf), g_a=S((K, D), bf),
+        b=S((H, D), bf), f_b=S((H * K, K), bf), g_b=S((H * V, K), bf), q_conv=S((W, H * K), bf),
+        k_conv=S((W, H * K), bf), v_conv=S((W, H * V), bf))
+    variants["kda one-launch decode 1 row"] = (4, project_decode.NUM_STAGES, lambda *a: (
+        project_decode.project_and_decode(*a, num_heads=H, head_dim=K, norm_eps=1e-5, out_norm_eps=1e-5)), (
+        S((1, D), bf), S((D,), bf), weights, S((1, W - 1, 3 * H * K), bf), S((H,), f32), S((H * K,), f32),
+        S((2, H, K, V), f32), S((1,), jnp.int32), S((V,), f32), S(project_decode.counters_shape(H), jnp.int32)))
     runs = 64
     variants["mla combine runs 1 row"] = (4, 1, lambda *a: mla_decode.combine_runs(*a, runs, bf), (
         S((1, runs, heads), f32), S((1, runs, heads), f32), S((1, runs, heads, rank), f32)))

@@ -220,7 +220,7 @@ def interpreted_pallas(monkeypatch):
         return run
 
     names = ("chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints",
-             "recurrent_kda_ring_checkpoints")
+             "recurrent_kda_ring_checkpoints", "project_and_decode_kda")
     monkeypatch.setattr(kda_kernels, "pallas_unavailable_reason", lambda *args: None)
     monkeypatch.setattr(kda_kernels, "load_pallas", lambda: types.SimpleNamespace(**{n: interpreted(n) for n in names}))
     return calls
@@ -299,6 +299,43 @@ def test_decode_out_norm_runs_in_the_packed_decode_kernel(interpreted_pallas, mo
     assert len(norm_calls) == (0 if out_norm else 1)
     np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
     assert_same_cache(got_cache, want_cache)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_launch_decode_equals_the_separate_kernels(interpreted_pallas, dtype):
+    """kda_decode_one_launch: a KDA decoder layer's batch-1 steps after a prefill run the one-launch kernel
+    (interpreted) instead of the packed decode, and equal the separate kernels' steps (float32: to 1e-5; bfloat16:
+    the same roundings, other summation orders: within a few bf16 ulps); the launch's counters stay zero in the
+    cache."""
+    from MaxText.layers.decoder import DecoderLayer
+    x = random_x(20, batch=1, seed=11).astype(dtype)
+
+    def decode(one_launch):
+        config = our_config(kda_kernel="pallas", kda_decode_one_launch=one_launch, dtype=dtype, weight_dtype=dtype)
+        layer = DecoderLayer(config, layer_index=0)
+        variables = layer.init(jax.random.key(0), jnp.asarray(x[:, :12]), model_mode="prefill")
+        cache = jax.tree.map(jnp.zeros_like, variables["cache"])
+        _, mutated = layer.apply({"params": variables["params"], "cache": cache}, jnp.asarray(x[:, :12]),
+                                 model_mode="prefill", mutable=["cache"])
+        step = jax.jit(lambda cache, token: layer.apply({"params": variables["params"], "cache": cache}, token,
+                                                        model_mode="autoregressive", mutable=["cache"]))
+        cache, outputs = mutated["cache"], []
+        for t in range(12, 20):
+            out, mutated = step(cache, jnp.asarray(x[:, t:t + 1]))
+            cache = mutated["cache"]
+            outputs.append(np.asarray(out.astype(jnp.float32)))
+        return np.concatenate(outputs, axis=1), jax.tree.map(np.asarray, cache["self_attn"])
+
+    want, want_cache = decode(False)
+    assert interpreted_pallas["project_and_decode_kda"] == 0 and interpreted_pallas["packed_decode_kda"] >= 1
+    got, got_cache = decode(True)
+    assert interpreted_pallas["project_and_decode_kda"] >= 1
+    assert not np.any(got_cache.pop("project_counts"))
+    tol = TOL if dtype == "float32" else 0.05
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    for name in ("conv_state", "recurrent_state"):
+        np.testing.assert_allclose(got_cache[name].astype(np.float32), want_cache[name].astype(np.float32),
+                                   atol=tol, rtol=tol, err_msg=name)
 
 
 def test_verify_pallas_runs_the_verify_kernel(interpreted_pallas):

@@ -61,7 +61,12 @@ class DecoderLayer(nn.Module):
         deferred = cfg.input_norm_after_projections and model_mode in DEFERRED_NORM_MODES
         input_norm = RMSNorm(cfg, name="input_layernorm")
         h, row_scale = input_norm(x, deferred=True) if deferred else (input_norm(x), None)
-        mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids, input_row_scale=row_scale)
+        parts = {}
+        if deferred and mixer_kind == "kda" and cfg.kda_decode_one_launch and not self.is_initializing():
+            # the residual row and the norm's scale, for KDA's one-launch decode (which then drops h and row_scale)
+            parts = {"input_norm_parts": (x, nn.meta.unbox(self.variables["params"])["input_layernorm"]["scale"])}
+        mixed = mixer(h, model_mode=model_mode, decoder_segment_ids=decoder_segment_ids, input_row_scale=row_scale,
+                      **parts)
         post_attention_norm = RMSNorm(cfg, name="post_attention_layernorm")
         route_counts = (self.variable("cache", "route_counts", jnp.zeros, (x.shape[0],), jnp.int32)
                         if mlp_kind == "moe" and cfg.moe_router_in_norm and model_mode != "train" else None)

@@ -13,13 +13,17 @@ the `cache` collection, one decode slot per batch row:
   recurrent_state  [B, S, H, K, V]    float32: a ring of S state slots per row (S = 1 for plain decoding);
   state_slot       [B] int32          the slot holding the row's committed state (`committed_state(cache)`);
   norm_counts      [B, H] int32       zeros (with `kda_decode_out_norm`): the packed decode kernel's counters for its
-                                      output norm, left zero by each launch (no zeros made and copied per step).
+                                      output norm, left zero by each launch (no zeros made and copied per step);
+  project_counts   [B, 2*H+1] int32   zeros (with `kda_decode_one_launch`): the one-launch decode's counters, likewise.
 S is fixed when the cache is created (`models.init_cache(config, batch, state_slots)`; a cache created lazily by the
 first prefill has S = 1) and read from the cache's shape. Prefill and one-token decode read and write the committed
 slot only (S = 1: a reshape, so plain decoding costs what it did without the ring). When `kda_kernel` resolves to the
 Pallas decode kernel, model_mode='autoregressive' (one token) runs the packed decode kernel with the ring as its pool
 (pool row b*S + state_slot[b]): it takes the conv output, the raw gate input and the beta logit, and updates the state
-in place (donate the cache to the step).
+in place (donate the cache to the step). With `kda_decode_one_launch` and the input norm deferred (the decoder passes
+`input_norm_parts`), a batch-1 step on one GPU runs everything from the input row to the normed output in one launch
+instead (`kernels.kda.project_and_decode_kda`: projections, convolution, recurrence and output norm; the projections'
+products computed by XLA above are then unused and dropped).
 
 model_mode='verify' (speculative decoding) scores T draft tokens from the committed state without changing it. It
 needs S >= T + 1 (`verify_state_slots(T)`): token t's post-state (float32) goes to ring slot (s + 1 + t) mod S, never
@@ -39,7 +43,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from MaxText.kernels import kda as kda_kernels
-from MaxText.kernels.kda.common import gated_rms_norm
+from MaxText.kernels.kda.common import causal_conv, gated_rms_norm
+from MaxText.kernels.kda.project_decode import ProjectionWeights
 from MaxText.layers.linears import Dense, dense_together, scale_rows
 
 MODEL_MODES = ("train", "prefill", "autoregressive", "verify")
@@ -51,6 +56,7 @@ CACHE_LOGICAL_AXES = {
     "recurrent_state": ("cache_batch", None, "kda_heads", None, None),  # [B, S, H, K, V]: the slots of a row together
     "state_slot": ("cache_batch",),
     "norm_counts": ("cache_batch", None),
+    "project_counts": ("cache_batch", None),
     "verify_inputs": ("cache_batch", None, None),
 }
 HEAD_ACTIVATION_AXES = ("batch", "length", "kda_heads", None)  # q, k, v, g, o: [B, T, H, K]
@@ -106,28 +112,6 @@ def a_log_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
 
 
-def causal_conv(inputs, window, kernel, segment_ids=None):
-    """Depthwise causal convolution continuing from `window`.
-
-    inputs: [B, T, C]; window: [B, W-1, C] (the previous W-1 inputs); kernel: [W, C]; segment_ids: [B, T] or None
-    (a tap that reaches into another segment contributes nothing: packed documents do not see each other).
-    Returns (outputs [B, T, C] float32, new window [B, W-1, C]).
-    """
-    width = kernel.shape[0]
-    seq_len = inputs.shape[1]
-    padded = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, W-1+T, C]
-    kernel = kernel.astype(jnp.float32)
-    if segment_ids is not None:
-        padded_ids = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
-    out = 0.0
-    for tap in range(width):
-        term = padded[:, tap:tap + seq_len].astype(jnp.float32) * kernel[tap]
-        if segment_ids is not None:
-            term = jnp.where((padded_ids[:, tap:tap + seq_len] == segment_ids)[..., None], term, 0.0)
-        out = out + term
-    return out, padded[:, seq_len:]
-
-
 class ShortConvKernel(nn.Module):
     """The [W, C] depthwise kernel of one short convolution (HF Conv1d weight [C, 1, W], transposed)."""
 
@@ -169,9 +153,10 @@ class KimiDeltaAttention(nn.Module):
                           jnp.dtype(self.config.weight_dtype))
 
     @nn.compact
-    def __call__(self, x, *, model_mode: str, decoder_segment_ids=None, input_row_scale=None):
+    def __call__(self, x, *, model_mode: str, decoder_segment_ids=None, input_row_scale=None, input_norm_parts=None):
         """`input_row_scale` [B, T, 1] float32 (the input norm deferred: RMSNorm(deferred=True)): each projection of
-        x is multiplied by it, as if x had been multiplied by it first."""
+        x is multiplied by it, as if x had been multiplied by it first. `input_norm_parts` (residual [B, T, D], the
+        input norm's scale [D]): where x and input_row_scale came from, for `kda_decode_one_launch`."""
         cfg = self.config
         if model_mode not in MODEL_MODES:
             raise ValueError(f"model_mode={model_mode!r}; the KDA layer supports {MODEL_MODES}")
@@ -191,7 +176,7 @@ class KimiDeltaAttention(nn.Module):
                                        for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
             window = jnp.zeros((batch, width - 1, 3 * qkv_dim), dtype)
-            conv_state = state_ring = state_slot = norm_counts = None
+            conv_state = state_ring = state_slot = norm_counts = project_counts = None
         else:  # created lazily with one ring slot; models.init_cache creates more
             conv_state = self.variable("cache", "conv_state", jnp.zeros, (batch, width - 1, 3 * qkv_dim), dtype)
             state_ring = self.variable("cache", "recurrent_state", jnp.zeros,
@@ -199,6 +184,8 @@ class KimiDeltaAttention(nn.Module):
             state_slot = self.variable("cache", "state_slot", jnp.zeros, (batch,), jnp.int32)
             norm_counts = (self.variable("cache", "norm_counts", jnp.zeros, (batch, num_heads), jnp.int32)
                            if cfg.kda_decode_out_norm else None)
+            project_counts = (self.variable("cache", "project_counts", jnp.zeros, (batch, 2 * num_heads + 1),
+                                            jnp.int32) if cfg.kda_decode_one_launch else None)
             window = conv_state.value
         # Packed training rows restart the convolution and the recurrence at each document boundary; in prefill,
         # zeroed (left-)padding already leaves the zero state untouched.
@@ -216,6 +203,12 @@ class KimiDeltaAttention(nn.Module):
         beta_logit = scale_rows(self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x),
                                 input_row_scale)  # [B, T, H]
 
+        if (project_counts is not None and input_norm_parts is not None and model_mode == "autoregressive"
+                and seq_len == 1 and not self.is_initializing() and cfg.dense_kernel_layout == "out_in"
+                and kda_kernels.one_launch_decode_reason(cfg.kda_kernel, batch, x.shape[-1], num_heads, head_dim,
+                                                         head_dim) is None):
+            return self._decode_in_one_launch(input_norm_parts, A_log, dt_bias, conv_state, state_ring, state_slot,
+                                              project_counts)
         if (model_mode == "autoregressive" and seq_len == 1
                 and kda_kernels.resolve(cfg.kda_kernel, "decode", head_dim, head_dim) == "pallas"):
             # Serving decode: the packed kernel takes the conv output, raw gate and beta logit as they are and updates
@@ -270,6 +263,33 @@ class KimiDeltaAttention(nn.Module):
             **({} if train_segments is None else {"segment_ids": train_segments}))  # o: [B, T, H, V]
         new_ring = None if state_ring is None else write_slot(state_ring.value, state_slot.value, final_state)
         return self._update_cache_and_output(g_a, o, conv_state, new_window, state_ring, new_ring)
+
+    def _decode_in_one_launch(self, input_norm_parts, A_log, dt_bias, conv_state, state_ring, state_slot,
+                              project_counts):
+        """`kda_decode_one_launch`: one token of one row from the residual row and the input norm's scale to o_proj's
+        input in one launch (`kernels.kda.project_and_decode_kda`), the kernels read as stored ([out, in]); the conv
+        window, the state ring (in place) and the launch's counters go back to the cache. Returns o_proj's output."""
+        cfg = self.config
+        params = nn.meta.unbox(self.variables["params"])
+        kernel = {name: params[name]["kernel"] for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj",
+                                                             "b_proj", "f_b_proj", "g_b_proj", "q_conv1d",
+                                                             "k_conv1d", "v_conv1d")}
+        weights = ProjectionWeights(q=kernel["q_proj"], k=kernel["k_proj"], v=kernel["v_proj"], f_a=kernel["f_a_proj"],
+                                    g_a=kernel["g_a_proj"], b=kernel["b_proj"], f_b=kernel["f_b_proj"],
+                                    g_b=kernel["g_b_proj"], q_conv=kernel["q_conv1d"], k_conv=kernel["k_conv1d"],
+                                    v_conv=kernel["v_conv1d"])
+        residual, norm_scale = input_norm_parts
+        ring = state_ring.value
+        num_slots = ring.shape[1]
+        o, pool, window, counts = kda_kernels.project_and_decode_kda(
+            residual[:, 0].astype(jnp.dtype(cfg.dtype)), norm_scale, weights, conv_state.value, A_log, dt_bias,
+            ring.reshape(num_slots, *ring.shape[2:]), state_slot.value, self._out_norm().scale,
+            project_counts.value[0], num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
+            norm_eps=cfg.normalization_layer_epsilon, out_norm_eps=cfg.normalization_layer_epsilon)  # o: [1, H, V]
+        project_counts.value = counts[None]  # zero again, the same buffer (aliased)
+        conv_state.value = nn.with_logical_constraint(window, CACHE_LOGICAL_AXES["conv_state"])
+        state_ring.value = nn.with_logical_constraint(pool.reshape(ring.shape), CACHE_LOGICAL_AXES["recurrent_state"])
+        return self._o_proj(o[:, None].astype(jnp.dtype(cfg.dtype)))
 
     def _update_cache_and_output(self, g_a, o, conv_state, new_window, state_ring, new_ring, normed=False):
         """Stores the new conv window and state ring (prefill / autoregressive), then `_output(g_a, o)` (only the

@@ -10,6 +10,10 @@
                                                implementation="auto")  # speculative verify
     o, state_ring = recurrent_kda_ring_checkpoints(q, k, v, g, beta, state_ring=R, state_slot=s,
                                                    implementation="auto")  # verify into the state ring (in place)
+    o, pool, window, counts = project_and_decode_kda(x, norm_scale, weights, window, ..., counts, num_heads=H,
+                                                     head_dim=K, norm_eps=..., out_norm_eps=...)
+                                    # batch-1 decode from the layer's input row in one launch, where
+                                    # one_launch_decode_reason(...) is None (the Pallas kernel only)
 
 Implementations (config key `kda_kernel`):
   naive   -- token-by-token fp32 `lax.scan` (naive.py): the oracle.
@@ -166,5 +170,29 @@ def recurrent_kda_ring_checkpoints(q, k, v, g, beta, *, implementation: str = "a
     return verify.recurrent_kda_ring_checkpoints(q, k, v, g, beta, **kwargs)
 
 
+def one_launch_decode_reason(implementation: str, batch: int, model_dim: int, num_heads: int, head_dim: int,
+                             value_dim: int) -> str | None:
+    """None when `project_and_decode_kda` (one Pallas launch from the layer's input row to the normed output) runs
+    here: the decode resolves to the Pallas kernels, one device, and the launch takes the dims; else why not."""
+    if resolve(implementation, "decode", head_dim, value_dim) != "pallas":
+        return f"kda_kernel={implementation} does not resolve to the Pallas kernels for decode here"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return f"a mesh of {mesh.size} devices (the launch runs on one)"
+    try:
+        module = importlib.import_module("MaxText.kernels.kda.pallas_project_decode")
+    except Exception as e:  # noqa: BLE001 -- fall back, never crash
+        return f"the one-launch kernel failed to import ({type(e).__name__}: {e})"
+    return module.unsupported_reason(batch, model_dim, num_heads, head_dim, value_dim)
+
+
+def project_and_decode_kda(*args, **kwargs):
+    """KDA's batch-1 decode from the layer's input row in one Pallas launch (pallas_project_decode.project_and_decode:
+    arguments and results there; semantics project_decode.project_and_decode_reference). Call it where
+    `one_launch_decode_reason` is None."""
+    return load_pallas().project_and_decode_kda(*args, **kwargs)
+
+
 __all__ = ["chunk_kda", "fused_recurrent_kda", "packed_decode_kda", "recurrent_kda_checkpoints",
-           "recurrent_kda_ring_checkpoints", "naive_recurrent_kda", "chunked_kda", "resolve", "KERNEL_CHOICES"]
+           "recurrent_kda_ring_checkpoints", "project_and_decode_kda", "one_launch_decode_reason",
+           "naive_recurrent_kda", "chunked_kda", "resolve", "KERNEL_CHOICES"]

@@ -55,6 +55,28 @@ def kda_gate(g_raw: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Arra
     return -jnp.exp(A_log.astype(jnp.float32).reshape(num_heads, 1)) * thresholded_softplus(x)
 
 
+def causal_conv(inputs, window, kernel, segment_ids=None):
+    """Depthwise causal convolution continuing from `window`.
+
+    inputs: [B, T, C]; window: [B, W-1, C] (the previous W-1 inputs); kernel: [W, C]; segment_ids: [B, T] or None
+    (a tap that reaches into another segment contributes nothing: packed documents do not see each other).
+    Returns (outputs [B, T, C] float32, new window [B, W-1, C]).
+    """
+    width = kernel.shape[0]
+    seq_len = inputs.shape[1]
+    padded = jnp.concatenate([window.astype(inputs.dtype), inputs], axis=1)  # [B, W-1+T, C]
+    kernel = kernel.astype(jnp.float32)
+    if segment_ids is not None:
+        padded_ids = jnp.concatenate([jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+    out = 0.0
+    for tap in range(width):
+        term = padded[:, tap:tap + seq_len].astype(jnp.float32) * kernel[tap]
+        if segment_ids is not None:
+            term = jnp.where((padded_ids[:, tap:tap + seq_len] == segment_ids)[..., None], term, 0.0)
+        out = out + term
+    return out, padded[:, seq_len:]
+
+
 class KDAInputs(NamedTuple):
     """Kernel inputs after the shared preprocessing: all float32, q already multiplied by `scale`."""
     q: jax.Array  # [B, T, H, K]

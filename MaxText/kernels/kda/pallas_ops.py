@@ -8,12 +8,15 @@
                                                              # pallas_decode.py, or mosaic_decode.py (decode_kernel)
     o, checkpoints = recurrent_kda_checkpoints(q, k, v, g, beta, initial_state=S0, **kwargs)  # verify: pallas_verify.py
     o, state_ring = recurrent_kda_ring_checkpoints(q, k, v, g, beta, state_ring=R, state_slot=s, **kwargs)  # in place
+    o, pool, window, counts = project_and_decode_kda(x, norm_scale, weights, window, A_log, dt_bias, state_pool,
+                                                     slot_indices, out_norm_scale, counts, **kwargs)
+                                           # batch-1 decode from the layer's input row, one launch: pallas_project_decode.py
 
 All are GPU kernels written with the Pallas Triton lowering, but for the packed decode's Mosaic GPU kernel (Hopper,
 from 64 rows). Each takes `interpret=False`; with True they run in the Pallas interpreter on any backend (the CPU
 tests use that at small shapes; the packed decode then takes its Triton kernel unless asked for
 `kernel="mosaic"`). Semantics are those of `naive.naive_recurrent_kda`, `packed_decode.packed_decode_kda_reference` and
-`verify.recurrent_kda_checkpoints` / `verify.recurrent_kda_ring_checkpoints`.
+`verify.recurrent_kda_checkpoints` / `verify.recurrent_kda_ring_checkpoints` and `project_decode.project_and_decode_reference`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_verify, verify
+from MaxText.kernels.kda import pallas_chunk, pallas_decode, pallas_project_decode, pallas_verify, verify
 from MaxText.kernels.kda.common import check_cu_seqlens, kda_gate, prepare_inputs
 from MaxText.kernels.kda.packed_decode import apply_output_norm, check_packed_inputs
 
@@ -316,3 +319,6 @@ def recurrent_kda_ring_checkpoints(q, k, v, g, beta, *, state_ring, state_slot, 
     return pallas_verify.ring_verify_step(q, k, v, g, beta, A_log, dt_bias, state_ring, state_slot, in_ring=True,
                                           checkpoint_dtype=jnp.dtype(jnp.float32), num_warps=num_warps,
                                           interpret=interpret, **options)
+
+
+project_and_decode_kda = pallas_project_decode.project_and_decode  # (its docstring; the layer's kda_decode_one_launch)
