@@ -67,8 +67,10 @@ def _assert_cache_row_equal(got, want, tol=1e-5):
             valid = want_attn["key_valid"]
             np.testing.assert_allclose(got_attn["latent"][valid], want_attn["latent"][valid], atol=tol, rtol=0)
         else:
-            assert set(got_attn) == {"conv_state", "recurrent_state", "state_slot", "norm_counts"}, set(got_attn)
-            assert not np.any(got_attn["norm_counts"]), f"{name}/norm_counts"  # zero between steps
+            assert set(got_attn) == {"conv_state", "recurrent_state", "state_slot", "norm_counts",
+                                     "project_counts"}, set(got_attn)
+            for counts in ("norm_counts", "project_counts"):
+                assert not np.any(got_attn[counts]), f"{name}/{counts}"  # zero between steps
             np.testing.assert_allclose(got_attn["conv_state"], want_attn["conv_state"], atol=tol, rtol=0,
                                        err_msg=f"{name}/conv_state")
             np.testing.assert_allclose(kda.committed_state(got_attn), kda.committed_state(want_attn), atol=tol,
