@@ -34,12 +34,15 @@ def problem(dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 0.05)])
-@pytest.mark.parametrize("block_v, chunks_ahead, chunk", [(16, 1, 16), (32, 2, 16), (16, 0, 32), (32, 9, 16)])
-def test_one_launch_matches_the_oracle(dtype, tol, block_v, chunks_ahead, chunk, monkeypatch):
+@pytest.mark.parametrize("block_v, chunks_ahead, chunk, gate_rows", [(16, 1, 16, 64), (32, 2, 16, 16), (16, 0, 32, 64),
+                                                                    (32, 9, 16, 64)])
+def test_one_launch_matches_the_oracle(dtype, tol, block_v, chunks_ahead, chunk, gate_rows, monkeypatch):
     """o, the pool row of the slot and the conv window equal the oracle's (float32: to 1e-5; bfloat16: other summation
     orders of the same roundings) with the weights' chunks (4 or 2 of D) loaded one or two ahead, in Triton's
-    pipelined loop or all at once; the other pool rows are bit-identical; the counters come back zero."""
+    pipelined loop or all at once, and one or two gate programs per head and gate; the other pool rows are
+    bit-identical; the counters come back zero."""
     monkeypatch.setattr(pallas_project_decode, "CHUNK", chunk)
+    monkeypatch.setattr(pallas_project_decode, "GATE_ROWS", gate_rows)
     inputs = problem(dtype)
     slots = jnp.array([1], jnp.int32)
     want = project_decode.project_and_decode_reference(**inputs, slot_indices=slots, **KW)
