@@ -73,6 +73,8 @@ def test_one_launch_input_checks_name_the_value():
         bad = inputs["weights"]._replace(f_b=inputs["weights"].f_b[:, :16])
         pallas_project_decode.project_and_decode(**{**inputs, "weights": bad}, slot_indices=slots, interpret=True,
                                                  **KW)
+    with pytest.raises(ValueError, match="chunks_ahead must be >= 0, got -1"):
+        pallas_project_decode.project_and_decode(**inputs, slot_indices=slots, chunks_ahead=-1, interpret=True, **KW)
     assert "one row" in pallas_project_decode.unsupported_reason(2, D, H, K, V)
     assert "D=96" in pallas_project_decode.unsupported_reason(1, 96, H, K, V)
     assert pallas_project_decode.unsupported_reason(1, 2304, 32, 128, 128) is None

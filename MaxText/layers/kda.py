@@ -22,8 +22,8 @@ Pallas decode kernel, model_mode='autoregressive' (one token) runs the packed de
 (pool row b*S + state_slot[b]): it takes the conv output, the raw gate input and the beta logit, and updates the state
 in place (donate the cache to the step). With `kda_decode_one_launch` and the input norm deferred (the decoder passes
 `input_norm_parts`), a batch-1 step on one GPU runs everything from the input row to the normed output in one launch
-instead (`kernels.kda.project_and_decode_kda`: projections, convolution, recurrence and output norm; the projections'
-products computed by XLA above are then unused and dropped).
+instead (`kernels.kda.project_and_decode_kda`: projections, convolution, recurrence and output norm; the layer then
+computes no projection itself).
 
 model_mode='verify' (speculative decoding) scores T draft tokens from the committed state without changing it. It
 needs S >= T + 1 (`verify_state_slots(T)`): token t's post-state (float32) goes to ring slot (s + 1 + t) mod S, never
@@ -168,12 +168,6 @@ class KimiDeltaAttention(nn.Module):
         if decoder_segment_ids is not None:  # padding tokens contribute nothing: a zero input keeps a zero state
             x = jnp.where((decoder_segment_ids != 0)[..., None], x, jnp.zeros_like(x))
 
-        # Projections and the three short convolutions (one fused depthwise conv over q|k|v channels).
-        qkv_pre = scale_rows(jnp.concatenate(
-            dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj")), axis=-1),
-            input_row_scale)  # [B, T, 3*H*K]
-        conv_kernel = jnp.concatenate([ShortConvKernel(width, qkv_dim, jnp.dtype(cfg.weight_dtype), name=name)()
-                                       for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         if model_mode == "train":
             window = jnp.zeros((batch, width - 1, 3 * qkv_dim), dtype)
             conv_state = state_ring = state_slot = norm_counts = project_counts = None
@@ -187,6 +181,19 @@ class KimiDeltaAttention(nn.Module):
             project_counts = (self.variable("cache", "project_counts", jnp.zeros, (batch, 2 * num_heads + 1),
                                             jnp.int32) if cfg.kda_decode_one_launch else None)
             window = conv_state.value
+        if (project_counts is not None and input_norm_parts is not None and model_mode == "autoregressive"
+                and seq_len == 1 and not self.is_initializing() and cfg.dense_kernel_layout == "out_in"
+                and kda_kernels.one_launch_decode_reason(cfg.kda_kernel, batch, x.shape[-1], num_heads, head_dim,
+                                                         head_dim) is None):
+            # (before any projection here: the launch computes them all from the residual row)
+            return self._decode_in_one_launch(input_norm_parts, conv_state, state_ring, state_slot, project_counts)
+
+        # Projections and the three short convolutions (one fused depthwise conv over q|k|v channels).
+        qkv_pre = scale_rows(jnp.concatenate(
+            dense_together(cfg, x, qkv_dim, ("embed", "kda_qkv"), ("q_proj", "k_proj", "v_proj")), axis=-1),
+            input_row_scale)  # [B, T, 3*H*K]
+        conv_kernel = jnp.concatenate([ShortConvKernel(width, qkv_dim, jnp.dtype(cfg.weight_dtype), name=name)()
+                                       for name in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=-1)  # [W, 3*H*K]
         # Packed training rows restart the convolution and the recurrence at each document boundary; in prefill,
         # zeroed (left-)padding already leaves the zero state untouched.
         train_segments = decoder_segment_ids if model_mode == "train" else None
@@ -203,12 +210,6 @@ class KimiDeltaAttention(nn.Module):
         beta_logit = scale_rows(self._dense(num_heads, ("embed", "kda_heads"), "b_proj")(x),
                                 input_row_scale)  # [B, T, H]
 
-        if (project_counts is not None and input_norm_parts is not None and model_mode == "autoregressive"
-                and seq_len == 1 and not self.is_initializing() and cfg.dense_kernel_layout == "out_in"
-                and kda_kernels.one_launch_decode_reason(cfg.kda_kernel, batch, x.shape[-1], num_heads, head_dim,
-                                                         head_dim) is None):
-            return self._decode_in_one_launch(input_norm_parts, A_log, dt_bias, conv_state, state_ring, state_slot,
-                                              project_counts)
         if (model_mode == "autoregressive" and seq_len == 1
                 and kda_kernels.resolve(cfg.kda_kernel, "decode", head_dim, head_dim) == "pallas"):
             # Serving decode: the packed kernel takes the conv output, raw gate and beta logit as they are and updates
@@ -264,8 +265,7 @@ class KimiDeltaAttention(nn.Module):
         new_ring = None if state_ring is None else write_slot(state_ring.value, state_slot.value, final_state)
         return self._update_cache_and_output(g_a, o, conv_state, new_window, state_ring, new_ring)
 
-    def _decode_in_one_launch(self, input_norm_parts, A_log, dt_bias, conv_state, state_ring, state_slot,
-                              project_counts):
+    def _decode_in_one_launch(self, input_norm_parts, conv_state, state_ring, state_slot, project_counts):
         """`kda_decode_one_launch`: one token of one row from the residual row and the input norm's scale to o_proj's
         input in one launch (`kernels.kda.project_and_decode_kda`), the kernels read as stored ([out, in]); the conv
         window, the state ring (in place) and the launch's counters go back to the cache. Returns o_proj's output."""
@@ -282,7 +282,8 @@ class KimiDeltaAttention(nn.Module):
         ring = state_ring.value
         num_slots = ring.shape[1]
         o, pool, window, counts = kda_kernels.project_and_decode_kda(
-            residual[:, 0].astype(jnp.dtype(cfg.dtype)), norm_scale, weights, conv_state.value, A_log, dt_bias,
+            residual[:, 0].astype(jnp.dtype(cfg.dtype)), norm_scale, weights, conv_state.value, params["A_log"],
+            params["dt_bias"],
             ring.reshape(num_slots, *ring.shape[2:]), state_slot.value, self._out_norm().scale,
             project_counts.value[0], num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
             norm_eps=cfg.normalization_layer_epsilon, out_norm_eps=cfg.normalization_layer_epsilon)  # o: [1, H, V]
