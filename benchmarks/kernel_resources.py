@@ -7,7 +7,7 @@ its Triton IR written to DIR/<name>.ttir; then a Python with the `triton` packag
 one; `pip install triton` in a separate venv is enough, no GPU needed) compiles each file for sm_90a with the
 variant's warps and stages and runs the bundled `ptxas -v` and `nvdisasm`. Printed: registers per thread, spill
 stores / loads (bytes per thread), shared memory, the thread blocks per SM those allow (65,536 registers, 227 KiB, 32
-blocks, 64 warps; ignoring the register allocation granularity), and static SASS counts (instructions; global loads
+blocks, 64 warps; registers allocated per warp in units of 256), and static SASS counts (instructions; global loads
 and stores, of them 128-bit ones; tensor-core MMAs; warp shuffles; MUFU.EX2). DIR keeps each .ttir, .ptx, .cubin and
 .sass.
 
@@ -34,6 +34,7 @@ from benchmarks.kda_kernels import SCORES_VARIANTS, scores_variant_name  # noqa:
 
 H, K, V, TOKENS = 32, 128, 128, 8 * 4096  # the --tune shape of benchmarks/kda_kernels.py
 REGISTERS_PER_SM, SHARED_PER_SM, MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM = 65536, 232448, 32, 64  # sm_90
+REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in units of this many (sm_90)
 
 COMPILE = r"""
 import collections, os, re, subprocess, sys, triton
@@ -180,7 +181,8 @@ def resources(line: str, warps: int) -> dict:
                    "global_loads_128": sum(n for op, n in loads.items() if ".128" in op),
                    "global_stores": family("STG.E"), "global_stores_128": family("STG.E.128"),
                    "mma": family("HMMA", "HGMMA"), "shuffles": family("SHFL"), "exp2": family("MUFU.EX2")}
-    limits = [REGISTERS_PER_SM // max(1, out["registers"] * 32 * warps), MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM // warps]
+    per_warp = -(-max(1, out["registers"]) * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    limits = [REGISTERS_PER_SM // per_warp // warps, MAX_BLOCKS_PER_SM, MAX_WARPS_PER_SM // warps]
     out["blocks_per_sm"] = min(limits + ([SHARED_PER_SM // out["shared"]] if out["shared"] else []))
     return out
 

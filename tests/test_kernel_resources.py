@@ -38,6 +38,8 @@ def test_ptxas_report_parsed_into_blocks_per_sm():
                          "global_stores_128": 5, "mma": 68, "shuffles": 2, "exp2": 7}  # LDGDEPBAR is no load
     assert kernel_resources.resources(line.replace("255 registers", "64 registers"), warps=1)["blocks_per_sm"] == 28
     assert kernel_resources.resources(line.replace("255 registers", "32 registers"), warps=4)["blocks_per_sm"] == 16
+    # 81 registers take 88 a thread (a warp's 2816 in units of 256): 23 warps, 5 blocks of 4 (not 65536 // (81 * 128))
+    assert kernel_resources.resources(line.replace("255 registers", "81 registers"), warps=4)["blocks_per_sm"] == 5
 
 
 def test_every_kernel_variant_lowers_to_triton_ir_on_cpu():
