@@ -271,13 +271,9 @@ class KimiDeltaAttention(nn.Module):
         window, the state ring (in place) and the launch's counters go back to the cache. Returns o_proj's output."""
         cfg = self.config
         params = nn.meta.unbox(self.variables["params"])
-        kernel = {name: params[name]["kernel"] for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj",
-                                                             "b_proj", "f_b_proj", "g_b_proj", "q_conv1d",
-                                                             "k_conv1d", "v_conv1d")}
-        weights = ProjectionWeights(q=kernel["q_proj"], k=kernel["k_proj"], v=kernel["v_proj"], f_a=kernel["f_a_proj"],
-                                    g_a=kernel["g_a_proj"], b=kernel["b_proj"], f_b=kernel["f_b_proj"],
-                                    g_b=kernel["g_b_proj"], q_conv=kernel["q_conv1d"], k_conv=kernel["k_conv1d"],
-                                    v_conv=kernel["v_conv1d"])
+        weights = ProjectionWeights(**{  # field q -> param q_proj, q_conv -> q_conv1d
+            field: params[field + ("1d" if field.endswith("conv") else "_proj")]["kernel"]
+            for field in ProjectionWeights._fields})
         residual, norm_scale = input_norm_parts
         ring = state_ring.value
         num_slots = ring.shape[1]
