@@ -128,8 +128,12 @@ def _norm_route_kernel(x_ref, update_ref, scale_ref, kernel_ref, bias_ref, _, no
                        route_options, interpret):
     """Program (token, column block, K block) of `norm_and_route`: its token's residual sum and 1 / rms over the
     whole row (program (token, 0, 0) stores the sum and the norm), its K block of the norm times the router's
-    [block_k, block_n] kernel block (a partial product), then a count; the token's last program routes it."""
+    [block_k, block_n] kernel block (a partial product; the block is read before the rows: 6.1-6.2 µs a launch vs
+    6.4-6.5 with it read after the norm, benchmarks/RESULTS.md), then a count; the token's last program routes it."""
     token, col_block, k_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ks = pl.ds(pl.multiple_of(k_block * block_k, block_k), block_k)
+    cols = pl.ds(col_block * block_n, block_n)
+    weights_block = kernel_ref[ks, cols]  # [BK, BN]: read first, in flight while the rows load and reduce
     summed = pallas_norm.residual_sum(pallas_norm.load_row(x_ref, token, dim, block),
                                       pallas_norm.load_row(update_ref, token, dim, block))  # [block]
     inv = pallas_norm.inverse_rms(summed.astype(F32), dim, epsilon)
@@ -142,11 +146,9 @@ def _norm_route_kernel(x_ref, update_ref, scale_ref, kernel_ref, bias_ref, _, no
         pltriton.store(normed_ref.at[token, pl.ds(0, block)],
                        pallas_norm.scaled_norm(summed.astype(F32), inv, scale, normed_ref.dtype), mask=inside)
 
-    ks = pl.ds(pl.multiple_of(k_block * block_k, block_k), block_k)
-    cols = pl.ds(col_block * block_n, block_n)
     summed_k = pallas_norm.residual_sum(x_ref[token, ks], update_ref[token, ks])  # [BK], as `summed`'s
     normed_k = pallas_norm.scaled_norm(summed_k.astype(F32), inv, scale_ref[ks], normed_ref.dtype)
-    parts_ref[k_block, token, cols] = pallas_gmm.block_product(normed_k, kernel_ref[ks, cols])  # [BN]
+    parts_ref[k_block, token, cols] = pallas_gmm.block_product(normed_k, weights_block)  # [BN]
     pallas_counts.count_then_finish(
         counts_ref, token, programs_per_row,
         functools.partial(route_token, token, parts_ref, bias_ref, weights_ref, ids_ref, **route_options), interpret)
