@@ -37,10 +37,11 @@ ARCHITECTURE_KEYS = (
     "mla_layers", "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "num_query_heads", "q_lora_rank",
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_dim", "first_num_dense_layers",
     "num_experts", "num_experts_per_tok", "moe_mlp_dim", "shared_experts", "routed_scaling_factor",
-    "n_routing_groups", "topk_routing_group", "norm_topk_prob", "dense_kernel_layout",
+    "n_routing_groups", "topk_routing_group", "norm_topk_prob", "dense_kernel_layout", "expert_kernel_layout",
 )
 # What a checkpoint's config.yml written before an architecture key existed stands for.
-ARCHITECTURE_KEYS_BEFORE = {"dense_kernel_layout": hf_weights.DENSE_LAYOUT_WITHOUT_KEY}
+ARCHITECTURE_KEYS_BEFORE = {"dense_kernel_layout": hf_weights.DENSE_LAYOUT_WITHOUT_KEY,
+                            "expert_kernel_layout": "in_out"}
 
 
 class CheckpointError(ValueError):

@@ -177,13 +177,14 @@ def _stage_shards(shards: Mapping[str, list[TensorEntry]], staged: Mapping[tuple
 
 
 def convert(hf_path: str, output_dir: str, dtype: str | None = None, progress: bool = True,
-            dense_kernel_layout: str | None = None) -> str:
+            dense_kernel_layout: str | None = None, expert_kernel_layout: str | None = None) -> str:
     """Converts the HF checkpoint at `hf_path` into the new directory `output_dir`; returns its absolute path.
 
     `dtype`: 'bfloat16' | 'float32' for the stored weights (the router bias stays float32); None = the
     checkpoint's own. `dense_kernel_layout`: 'in_out' | 'out_in', how the dense projections' kernels are stored
-    (configs/base.yml); None = base.yml's. Raises ConversionError / HFCheckpointError / pyconfig.ConfigError naming
-    the problem; nothing is left at `output_dir` on failure.
+    (configs/base.yml); None = base.yml's; `expert_kernel_layout` likewise for the routed experts. Raises
+    ConversionError / HFCheckpointError / pyconfig.ConfigError naming the problem; nothing is left at `output_dir` on
+    failure.
     """
     output_dir = os.path.abspath(output_dir)
     if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
@@ -194,8 +195,9 @@ def convert(hf_path: str, output_dir: str, dtype: str | None = None, progress: b
         raise ConversionError(f"dtype {dtype!r}; expected 'bfloat16' or 'float32'")
     keys = {**hf_weights.config_from_hf(hf_config), "weight_dtype": dtype, "dtype": dtype,
             "load_parameters_path": output_dir}
-    if dense_kernel_layout is not None:
-        keys["dense_kernel_layout"] = dense_kernel_layout
+    for key, layout in (("dense_kernel_layout", dense_kernel_layout), ("expert_kernel_layout", expert_kernel_layout)):
+        if layout is not None:
+            keys[key] = layout
     shards = read_all_headers(hf_path)
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
@@ -234,11 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of the stored weights (default: the checkpoint's own, float32 unless bfloat16)")
     parser.add_argument("--dense-kernel-layout", choices=("in_out", "out_in"), default=None,
                         help="how the dense projections' kernels are stored (default: configs/base.yml's)")
+    parser.add_argument("--expert-kernel-layout", choices=("in_out", "out_in"), default=None,
+                        help="how the routed experts' matrices are stored (default: configs/base.yml's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
         out = convert(args.hf_path, args.output_dir, args.dtype, progress=not args.no_progress,
-                      dense_kernel_layout=args.dense_kernel_layout)
+                      dense_kernel_layout=args.dense_kernel_layout, expert_kernel_layout=args.expert_kernel_layout)
     except (ConversionError, hf_weights.HFCheckpointError, pyconfig.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

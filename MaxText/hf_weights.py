@@ -9,7 +9,7 @@ Two HF layouts exist and both are accepted, tensor by tensor:
       [E, 2I, D], experts.down_proj [E, D, I], shared_experts}`.
 Our tree (see the conventions): Linear weights [out, in] become `kernel` [in, out] (kept [out, in] for the dense
 projections with `dense_kernel_layout: out_in`); conv weights [C, 1, W] become `kernel` [W, C]; `A_log` [1, 1, H, 1]
-becomes [H]; experts are stacked [E, D, I] / [E, I, D].
+becomes [H]; experts are stacked [E, D, I] / [E, I, D] (`expert_kernel_layout: out_in`: [E, I, D] / [E, D, I]).
 
 Everything is driven by one table, `hf_tensor_specs(config)`: every HF tensor name a checkpoint of this config may
 hold (both layouts), its shape, and which of our leaves (and which expert slot) it fills. The same table serves
@@ -237,13 +237,21 @@ def _fused_conv(w: np.ndarray) -> list[np.ndarray]:
     return [part[:, 0, :].T for part in np.split(w, 3, axis=0)]  # [3C, 1, W] -> q, k, v kernels [W, C]
 
 
+def _gate_up_out_in(w: np.ndarray) -> list[np.ndarray]:
+    return list(np.split(w, 2, axis=1))  # [E, 2I, D] -> gate, up [E, I, D]
+
+
 def _gate_up(w: np.ndarray) -> list[np.ndarray]:
-    gate, up = np.split(w, 2, axis=1)  # [E, 2I, D] -> 2 x [E, I, D]
-    return [gate.transpose(0, 2, 1), up.transpose(0, 2, 1)]  # [E, D, I]
+    return [part.transpose(0, 2, 1) for part in _gate_up_out_in(w)]  # [E, D, I]
 
 
 def _experts_down(w: np.ndarray) -> list[np.ndarray]:
     return [w.transpose(0, 2, 1)]  # [E, D, I] -> [E, I, D]
+
+
+# By the routed experts' layout (expert_kernel_layout): one expert's [out, in] weight, the fused gate_up_proj, the
+# stacked down_proj -> our leaves.
+EXPERT_TRANSFORMS = {"in_out": (_linear, _gate_up, _experts_down), "out_in": (_same, _gate_up_out_in, _same)}
 
 
 class _Table:
@@ -343,16 +351,19 @@ def _moe_specs(t: _Table, layer: str, ours: Path, config: Mapping[str, Any]) -> 
         t.linear(f"{hf}gate.weight", ours + ("gate",), d, e, layout, stored="in_out")  # the router's own param
         bias = t.leaf(ours + ("gate", "e_score_correction_bias"), (e,))
         t.hf(f"{hf}gate.e_score_correction_bias", (e,), layout, [bias], _same)
-    gate = t.leaf(ours + ("experts", "gate_proj"), (e, d, i), slots=e)
-    up = t.leaf(ours + ("experts", "up_proj"), (e, d, i), slots=e)
-    down = t.leaf(ours + ("experts", "down_proj"), (e, i, d), slots=e)
+    layout = config.get("expert_kernel_layout", "in_out")
+    one, gate_up, stacked_down = EXPERT_TRANSFORMS[layout]
+    gate_up_shape, down_shape = ((i, d), (d, i)) if layout == "out_in" else ((d, i), (i, d))
+    gate = t.leaf(ours + ("experts", "gate_proj"), (e, *gate_up_shape), slots=e)
+    up = t.leaf(ours + ("experts", "up_proj"), (e, *gate_up_shape), slots=e)
+    down = t.leaf(ours + ("experts", "down_proj"), (e, *down_shape), slots=e)
     for n in range(e):
         experts = f"{layer}block_sparse_moe.experts.{n}."
-        t.hf(f"{experts}w1.weight", (i, d), "original", [gate], _linear, slot=n)
-        t.hf(f"{experts}w3.weight", (i, d), "original", [up], _linear, slot=n)
-        t.hf(f"{experts}w2.weight", (d, i), "original", [down], _linear, slot=n)
-    t.hf(f"{layer}mlp.experts.gate_up_proj", (e, 2 * i, d), "native", [gate, up], _gate_up)
-    t.hf(f"{layer}mlp.experts.down_proj", (e, d, i), "native", [down], _experts_down)
+        t.hf(f"{experts}w1.weight", (i, d), "original", [gate], one, slot=n)
+        t.hf(f"{experts}w3.weight", (i, d), "original", [up], one, slot=n)
+        t.hf(f"{experts}w2.weight", (d, i), "original", [down], one, slot=n)
+    t.hf(f"{layer}mlp.experts.gate_up_proj", (e, 2 * i, d), "native", [gate, up], gate_up)
+    t.hf(f"{layer}mlp.experts.down_proj", (e, d, i), "native", [down], stacked_down)
     if config["shared_experts"]:
         shared = i * config["shared_experts"]
         _swiglu_specs(t, [(f"{layer}block_sparse_moe.shared_experts.", "original"),

@@ -36,6 +36,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "dense_matmul": ("auto", "xla", "pallas"),
     "dense_matmul_grid": ("tiles", "rows"),
     "dense_kernel_layout": ("in_out", "out_in"),
+    "expert_kernel_layout": ("in_out", "out_in"),
     "moe_router_kernel": ("auto", "xla", "pallas"),
     "mla_kernel": ("auto", "xla", "pallas"),
     "norm_kernel": ("auto", "xla", "pallas"),

@@ -108,6 +108,15 @@ def kernel_variants():
     variants["moe experts gate 9 rows"] = (4, 3, pallas_gmm.grouped_matmul, experts)  # the default: tensor cores
     variants["moe experts gate 9 rows, shared expert row"] = (4, 3, lambda *a: pallas_gmm.grouped_matmul(
         *a[:4], extra_weights=a[4]), experts + (S((1, 2304, 1024), bf),))
+    from MaxText.kernels.grouped_matmul import pallas_rows_out_in
+    gate_up_out_in, down_out_in = S((256, 1024, 2304), bf), S((256, 2304, 1024), bf)
+    variants["moe experts out_in gate / up 9 rows"] = (pallas_rows_out_in.NUM_WARPS, 1, lambda x, g, u, sg, su, ids: (
+        pallas_rows_out_in.grouped_matmul_out_in(x, (g, u), ids, extra_weights=(sg, su), rows_per_token=8, glu=True)), (
+        S((1, 2304), bf), gate_up_out_in, gate_up_out_in, S((1, 1024, 2304), bf), S((1, 1024, 2304), bf),
+        S((8,), jnp.int32)))
+    variants["moe experts out_in down 9 rows"] = (pallas_rows_out_in.NUM_WARPS, 1, lambda h, d, sd, ids: (
+        pallas_rows_out_in.grouped_matmul_out_in(h, (d,), ids, extra_weights=(sd,))), (
+        S((9, 1024), bf), down_out_in, S((1, 2304, 1024), bf), S((8,), jnp.int32)))
     verify = [S((1, 4, H, K), bf)] * 3 + [S((1, 4, H, K), f32), S((1, 4, H), bf), S((1, H, K, V), f32)]
     variants["verify 4 tokens"] = (4, 1, lambda *a: pallas_ops.recurrent_kda_checkpoints(
         *a[:5], initial_state=a[5]), verify)

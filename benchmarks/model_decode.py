@@ -525,6 +525,10 @@ class Setup:
         """(params, their shardings) for a decode setting's `config`: the setup's, or where the setting stores the
         dense kernels in the other layout (a --decode-variants value dense_kernel_layout=...), a copy with exactly
         those kernels transposed on the device (hf_weights.dense_kernel_paths; the same values), made once."""
+        if config.expert_kernel_layout != self.config.expert_kernel_layout:
+            raise ValueError(f"expert_kernel_layout={config.expert_kernel_layout} sets the routed experts' param "
+                             f"shapes (the params here: {self.config.expert_kernel_layout}); give it as a config "
+                             f"override (one process per layout), not in --decode-variants / --engine-variants")
         layout = config.dense_kernel_layout
         if layout == self.config.dense_kernel_layout:
             return self.params, self.param_shardings

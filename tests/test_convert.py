@@ -247,3 +247,26 @@ def test_engine_from_converted_checkpoint_matches_hf(tmp_path, hf_model, dense_k
         reference = hf_model[1](torch.tensor(ids)).logits.numpy()
     logits = Engine.from_checkpoint(out).logits(ids)
     np.testing.assert_allclose(logits, reference, atol=1e-4 * np.abs(reference).max(), rtol=0)
+
+
+def test_convert_with_experts_stored_out_in(tmp_path, hf_model, native):
+    """--expert-kernel-layout out_in: the routed experts stored as HF holds each expert's matrix ([out, in]), the key
+    recorded in config.yml; a config of the other layout is refused by name."""
+    hf_dir = _write(tmp_path / "hf", hf_model, native)
+    out = str(tmp_path / "out")
+    assert convert_hf_checkpoint.main(["--hf-path", hf_dir, "--output-dir", out, "--no-progress",
+                                       "--expert-kernel-layout", "out_in"]) == 0
+    config, params = checkpointing.load_for_inference(out)
+    assert config.expert_kernel_layout == "out_in"
+    expected = _flat(hf_weights.params_from_hf_state_dict(native, config))
+    got = _flat(params)
+    experts = [path for path in got if "experts" in path]
+    assert experts and got.keys() == expected.keys()
+    for path in experts:
+        np.testing.assert_array_equal(got[path], expected[path], err_msg="/".join(path))
+    hf = hf_model[0]
+    assert got[("params", "model", "layers_1", "mlp", "experts", "gate_proj")].shape == (
+        hf.num_experts, hf.moe_intermediate_size, hf.hidden_size)
+    with pytest.raises(checkpointing.CheckpointError,
+                       match="expert_kernel_layout: checkpoint 'out_in', config 'in_out'"):
+        checkpointing.load_for_inference(out, expert_kernel_layout="in_out")

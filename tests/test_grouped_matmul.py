@@ -654,3 +654,94 @@ def test_one_row_products_above_xlas_rewrite_are_written_as_a_reduction():
     want = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     assert got.shape == (1, 1, out_dim) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+
+
+def _out_in(w):
+    return jnp.swapaxes(w, 1, 2)  # [E, K, N] <-> [E, N, K]
+
+
+@pytest.mark.parametrize("block_rows,chunks_ahead", [(1, 3), (2, 1), (4, 0)])
+def test_rows_out_in_kernel_matches_the_oracle_and_the_in_out_products(block_rows, chunks_ahead):
+    """pallas_rows_out_in (interpreted): experts stored [E, N, K] with tokens standing for their routed rows and the
+    shared expert's rows, SiLU(gate) * up in the launch, then the down product: the oracle's and the [E, K, N]
+    products' results; two arrays without glu give one product each; bad tiles and arrays are named."""
+    from MaxText.kernels.grouped_matmul import naive, pallas_rows_out_in
+    tokens, (gate, up, down), extras, routed, every_row = _fused_inputs_problem()
+    call = functools.partial(pallas_rows_out_in.grouped_matmul_out_in, block_rows=block_rows,
+                             chunks_ahead=chunks_ahead, interpret=True)
+    gate_up, gate_up_extra = (_out_in(gate), _out_in(up)), (_out_in(extras[0]), _out_in(extras[1]))
+    hidden, = call(tokens, gate_up, routed, extra_weights=gate_up_extra, rows_per_token=3, glu=True)
+    out, = call(hidden, (_out_in(down),), routed, extra_weights=(_out_in(extras[2]),))  # K = 48: 3 chunks of 16
+    want_hidden, want_out = _materialized_moe_rows(tokens, (gate, up, down), extras, every_row)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):
+        oracle, = naive.rows_out_in(hidden, (_out_in(down),), routed, extra_weights=(_out_in(extras[2]),))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(oracle), rtol=1e-5, atol=1e-5)
+    products = call(tokens, gate_up, routed, extra_weights=gate_up_extra, rows_per_token=3)
+    rows = gmm.token_rows(tokens, 3, extra_rows=True)
+    for got, w, x in zip(products, (gate, up), extras):
+        want = gather_matmul(rows, jnp.concatenate([w, x]), every_row, precision=jax.lax.Precision.HIGHEST)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="N a multiple of block_rows=5, got N=48"):
+        call(tokens, gate_up, routed, extra_weights=gate_up_extra, rows_per_token=3, glu=True, block_rows=5)
+    with pytest.raises(ValueError, match="expected two weight arrays, got 1"):
+        call(tokens, gate_up[:1], routed, rows_per_token=3, glu=True)
+    with pytest.raises(ValueError, match=r"expected rows \[M, 64\] and weights of one shape"):
+        call(tokens, (gate_up[0], _out_in(down)), routed, rows_per_token=3)
+
+
+def test_rows_out_in_streams_several_chunks_of_a_long_row():
+    """K = 768: three chunks of 256 per output feature, loaded ahead; plain rows, groups listed for every row."""
+    from MaxText.kernels.grouped_matmul import pallas_rows_out_in
+    rows, weights, _, row_groups = _problem([0, 1, 1, 0, 2], 768, 8, jnp.float32, seed=3)
+    got, = pallas_rows_out_in.grouped_matmul_out_in(rows, (_out_in(weights),), row_groups, interpret=True)
+    want = gather_matmul(rows, weights, row_groups, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["gather", "pallas"])
+def test_dispatcher_reads_weights_stored_out_in(implementation, monkeypatch):
+    """weights_out_in: the dispatcher's products of [E, N, K] weights equal those of the same matrices stored
+    [E, K, N]; where the Pallas rows grid would run, pallas_rows_out_in reads them as stored (no transpose in the
+    program; the shared expert's extra arrays likewise, whichever layout they come in), elsewhere they are transposed
+    first."""
+    from MaxText.kernels.grouped_matmul import pallas_rows_out_in
+    tokens, (gate, up, down), extras, routed, every_row = _fused_inputs_problem()
+    sizes = jnp.bincount(routed, length=6).astype(jnp.int32)
+    launches = []
+    if implementation == "pallas":
+        monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
+        kernel = pallas_rows_out_in.grouped_matmul_out_in
+
+        def recorded(*args, **kwargs):
+            launches.append(kwargs["glu"])
+            return kernel(*args, **kwargs, interpret=True)
+        monkeypatch.setattr(pallas_rows_out_in, "grouped_matmul_out_in", recorded)
+    call = functools.partial(gmm.grouped_matmul, group_sizes=sizes, row_groups=routed, implementation=implementation,
+                             precision=jax.lax.Precision.HIGHEST, weights_out_in=True)
+    with jax.default_matmul_precision("highest"):
+        if implementation == "pallas":  # the rows grid's inputs: tokens, the shared expert as extra rows
+            stored = [_out_in(w) for w in (gate, up, down, *extras)]  # every array [.., N, K]
+
+            def moe(tokens, extra_layout):
+                g, u, d, *x = stored
+                x = x if extra_layout == "out_in" else extras
+                hidden = call(tokens, (g, u), extra_weights=tuple(x[:2]), glu=True, rows_per_token=3,
+                              partial_rows=True, extra_out_in=extra_layout == "out_in")
+                return call(hidden, d, extra_weights=x[2], extra_out_in=extra_layout == "out_in")
+            want = _materialized_moe_rows(tokens, (gate, up, down), extras, every_row)[1]
+            for extra_layout, transposes in (("out_in", False), ("in_out", True)):
+                launches.clear()
+                np.testing.assert_allclose(np.asarray(moe(tokens, extra_layout)), np.asarray(want), rtol=1e-5,
+                                           atol=1e-5)
+                assert launches == [True, False]
+                program = jax.make_jaxpr(functools.partial(moe, extra_layout=extra_layout))(tokens).jaxpr
+                assert ("transpose" in {eqn.primitive.name for eqn in program.eqns}) == transposes
+            got = moe(tokens, "out_in")
+        else:
+            rows = gmm.token_rows(tokens, 3, extra_rows=False)
+            got = call(call(rows, (_out_in(gate), _out_in(up)), glu=True), _out_in(down))
+            product = functools.partial(gather_matmul, row_groups=routed, precision=jax.lax.Precision.HIGHEST)
+            want = product(jax.nn.silu(product(rows, gate)) * product(rows, up), down)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -238,3 +238,23 @@ def test_kda_layer_params_from_standalone_module(hf_model, native, config):
     from_full = hf_weights.kda_layer_params(native, "model.layers.1.self_attn.", config)
     full = hf_weights.params_from_hf_state_dict(native, config)["params"]["model"]["layers_1"]["self_attn"]
     _assert_trees_equal(from_full, full)
+
+
+@pytest.mark.parametrize("layout", ["native", "original"])
+def test_experts_convert_to_the_out_in_layout(native, config, layout):
+    """expert_kernel_layout out_in: each routed expert's matrices as HF stores them ([out, in]), from either HF
+    layout; every other leaf as in the default in_out tree."""
+    state = native if layout == "native" else tiny_hf.original_state_dict(native, dense_prefix="mlp")
+    out_in = hf_weights.params_from_hf_state_dict(state, {**config, "expert_kernel_layout": "out_in"})
+    in_out = hf_weights.params_from_hf_state_dict(state, config)
+    experts = "params/model/layers_2/mlp/experts/"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        np.testing.assert_array_equal(_leaf(out_in, experts + name), _leaf(in_out, experts + name).transpose(0, 2, 1))
+    gate_up = native["model.layers.2.mlp.experts.gate_up_proj"]  # [E, 2I, D]
+    np.testing.assert_array_equal(_leaf(out_in, experts + "gate_proj")[5], gate_up[5, :32])
+
+    def relaid(tree, path=()):  # in_out's tree with every routed expert's matrices transposed
+        if isinstance(tree, dict):
+            return {key: relaid(value, (*path, key)) for key, value in tree.items()}
+        return tree.transpose(0, 2, 1) if "experts" in path else tree
+    _assert_trees_equal(out_in, relaid(in_out))

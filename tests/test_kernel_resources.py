@@ -43,12 +43,13 @@ def test_ptxas_report_parsed_into_blocks_per_sm():
 
 
 def test_every_kernel_variant_lowers_to_triton_ir_on_cpu():
-    """Every registered kernel (the KDA prefill, decode and verify kernels, the norms, the MoE router and experts,
-    MLA's absorbed query, latent attention and combine) passes JAX's Pallas Triton lowering on this CPU machine: the
-    lowering the GPU runs, which the interpreted tests never reach (e.g. a comparison of an i1 with an i32 fails
-    here, not on the GPU)."""
+    """Every registered kernel (the KDA prefill, decode and verify kernels, the norms, the MoE router and experts in
+    either layout, MLA's absorbed query, latent attention and combine) passes JAX's Pallas Triton lowering on this CPU
+    machine: the lowering the GPU runs, which the interpreted tests never reach (e.g. a comparison of an i1 with an
+    i32 fails here, not on the GPU)."""
     variants = kernel_resources.kernel_variants()
-    assert {"verify 4 tokens", "moe norm and route 1 token", "mla latent attention 1 row"} <= set(variants)
+    assert {"verify 4 tokens", "moe norm and route 1 token", "mla latent attention 1 row",
+            "moe experts out_in down 9 rows"} <= set(variants)
     for name, (_, _, fn, args) in variants.items():
         ir = kernel_resources.triton_ir(fn, args)
         assert "tt.func public @" in ir and "tt.store" in ir, name

@@ -415,6 +415,9 @@ def test_a_variant_in_the_other_dense_layout_gets_the_same_model_transposed(layo
     want = KimiLinearForCausalLM(config).apply({"params": params}, tokens, model_mode="train")
     got = KimiLinearForCausalLM(variant).apply({"params": relaid}, tokens, model_mode="train")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    experts = pyconfig.load_config(TINY, [f"dense_kernel_layout={layout}", "expert_kernel_layout=out_in"])
+    with pytest.raises(ValueError, match="expert_kernel_layout=out_in sets the routed experts' param shapes"):
+        setup.params_for(experts)  # a second copy of the experts is not made
 
 
 def test_profile_notes_add_up():

@@ -287,3 +287,41 @@ def test_moe_gate_up_one_launch_reaches_the_gate_up_call(monkeypatch):
             outputs.append(np.asarray(MoE(config).apply(params, x)))
         assert seen == [(True, one_launch), (False, False)]  # gate + up (SiLU(gate) * up), then down
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dense_layout", ["out_in", "in_out"])
+@pytest.mark.parametrize("num_tokens,kernel_calls", [(3, 2), (5, 0)])
+def test_experts_stored_out_in_give_the_same_moe(num_tokens, kernel_calls, dense_layout, monkeypatch):
+    """expert_kernel_layout out_in: the routed experts' params are [E, I, D] / [E, D, I]; with the same matrices the
+    MoE's output is the in_out layout's. 3 tokens (15 rows with the shared expert's): gate / up and down by
+    pallas_rows_out_in (as on one GPU, interpreted); 5 tokens (20 routed rows): the experts transposed for the
+    Pallas tiles grid."""
+    from MaxText.kernels import grouped_matmul as gmm
+    from MaxText.kernels.grouped_matmul import pallas_gmm, pallas_rows_out_in
+    options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,
+                   topk_routing_group=1, shared_experts=1, moe_grouped_matmul="pallas", num_decoder_layers=1,
+                   kda_layers=[1], mla_layers=[], dense_kernel_layout=dense_layout)
+    assert pyconfig.load_config(pyconfig.BASE_CONFIG_PATH).expert_kernel_layout == "in_out"  # the default
+    in_out, out_in = (pyconfig.load_config(pyconfig.BASE_CONFIG_PATH, {**options, "expert_kernel_layout": layout})
+                      for layout in ("in_out", "out_in"))
+    monkeypatch.setattr(gmm, "resolve", lambda *a: "pallas")
+    monkeypatch.setattr(pallas_gmm, "grouped_matmul", functools.partial(pallas_gmm.grouped_matmul, interpret=True))
+    kernel, calls = pallas_rows_out_in.grouped_matmul_out_in, []
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs["glu"])
+        return kernel(*args, **kwargs, interpret=True)
+    monkeypatch.setattr(pallas_rows_out_in, "grouped_matmul_out_in", recorded)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(1, num_tokens, 32)), jnp.float32)
+    params = nn.unbox(MoE(in_out).init(jax.random.PRNGKey(0), x))
+    experts = params["params"]["experts"]
+    stored = {name: jnp.swapaxes(w, 1, 2) for name, w in experts.items()}
+    shapes = nn.unbox(jax.eval_shape(MoE(out_in).init, jax.random.PRNGKey(0), x))["params"]["experts"]
+    assert {name: w.shape for name, w in shapes.items()} == {name: w.shape for name, w in stored.items()} == {
+        "gate_proj": (16, 16, 32), "up_proj": (16, 16, 32), "down_proj": (16, 32, 16)}
+    calls.clear()  # (the shapes' trace ran the forward too)
+    with jax.default_matmul_precision("highest"):
+        want = MoE(in_out).apply(params, x)
+        got = MoE(out_in).apply({"params": {**params["params"], "experts": stored}}, x)
+    assert calls == [True, False][:kernel_calls]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -56,8 +56,9 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The routed SwiGLU experts: gate_proj, up_proj [E, D, I], down_proj [E, I, D], with sorted dispatch (rows in
-    token order where the grouped matmul allows it: `grouped_matmul.rows_must_be_sorted`)."""
+    """The routed SwiGLU experts: gate_proj, up_proj [E, D, I], down_proj [E, I, D] (`expert_kernel_layout` out_in:
+    [E, I, D], [E, D, I], each expert's matrices as torch's Linear.weight), with sorted dispatch (rows in token order
+    where the grouped matmul allows it: `grouped_matmul.rows_must_be_sorted`)."""
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
@@ -75,9 +76,14 @@ class RoutedExperts(nn.Module):
                                jnp.dtype(cfg.weight_dtype))
             return param.astype(dtype)
 
-        w_gate = expert_param("gate_proj", (num_experts, dim, inner), ("exp", "embed", "mlp"))
-        w_up = expert_param("up_proj", (num_experts, dim, inner), ("exp", "embed", "mlp"))
-        w_down = expert_param("down_proj", (num_experts, inner, dim), ("exp", "mlp", "embed"))
+        experts_out_in = cfg.expert_kernel_layout == "out_in"  # stored [E, out, in], else [E, in, out]
+        gate_up_shape, gate_up_axes = (inner, dim), ("mlp", "embed")  # [out, in]
+        down_shape, down_axes = (dim, inner), ("embed", "mlp")
+        if not experts_out_in:
+            gate_up_shape, gate_up_axes, down_shape, down_axes = down_shape, down_axes, gate_up_shape, gate_up_axes
+        w_gate = expert_param("gate_proj", (num_experts, *gate_up_shape), ("exp", *gate_up_axes))
+        w_up = expert_param("up_proj", (num_experts, *gate_up_shape), ("exp", *gate_up_axes))
+        w_down = expert_param("down_proj", (num_experts, *down_shape), ("exp", *down_axes))
 
         pair_experts = expert_ids.reshape(-1)  # [N*k], token-major
         group_sizes = jnp.bincount(pair_experts, length=num_experts).astype(jnp.int32)  # [E]
@@ -104,7 +110,7 @@ class RoutedExperts(nn.Module):
         def matmul(lhs, w, extra_weights, **options):
             return grouped_matmul(lhs, w, group_sizes, row_experts, implementation=cfg.moe_grouped_matmul,
                                   precision=precision, extra_weights=extra_weights, extra_out_in=out_in,
-                                  rows_mma=ROWS_MMA[cfg.moe_rows_product], **options)
+                                  rows_mma=ROWS_MMA[cfg.moe_rows_product], weights_out_in=experts_out_in, **options)
 
         # SiLU(rows Wg) * rows Wu [rows, I] (Pallas: in the gate and up kernel where one program holds both products;
         # with fused_inputs, where K is split, in the down kernel as it loads its rows)

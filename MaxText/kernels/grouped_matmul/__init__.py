@@ -14,6 +14,9 @@ Implementations:
               (a vector-matrix grid, K split for parallelism, for <= 16 rows).
               NVIDIA GPU only, and not under a multi-device mesh (XLA cannot partition a Pallas call; the sharded
               MoE keeps ragged_dot). Differentiable through ragged_dot's backward (training: fast forward only).
+              Weights stored [E, N, K] (`weights_out_in`, config key `expert_kernel_layout: out_in`): for <= 16 rows
+              pallas_rows_out_in.py, one output feature's contiguous weights per warp (forward only); elsewhere
+              transposed to [E, K, N] first.
   auto        on an NVIDIA GPU without a multi-device mesh: pallas (when its import and the shapes allow; else one
               log line and ragged_dot); ragged_dot on TPU and sharded GPUs; gather on CPU.
 
@@ -34,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from MaxText.kernels.grouped_matmul.naive import gather_matmul
+from MaxText.kernels.grouped_matmul.naive import gather_matmul, silu_glu
 
 CHOICES = ("auto", "ragged_dot", "gather", "pallas")
 # The Pallas kernel's `rows` grid (vector-matrix, any row order) up to this many rows, its `tiles` grid above
@@ -110,12 +113,6 @@ def as_tuple(arrays) -> tuple[tuple, bool]:
     return (tuple(arrays) if several else (arrays,)), several
 
 
-def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SiLU(gate) * up, the SwiGLU's hidden activation, in the inputs' (float32) precision (`glu`: applied to the
-    float32 accumulators inside the kernels, or to the summed K splits' partial products after them)."""
-    return gate * up / (1.0 + jnp.exp(-gate))
-
-
 def check_glu_weights(weights: tuple, glu: bool) -> None:
     """glu multiplies by (gate, up): an error naming the count of weight arrays otherwise."""
     if glu and len(weights) != 2:
@@ -171,9 +168,12 @@ def product_rows(rows, rows_per_token: int, extra_rows: bool) -> int:
 def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array, *,
                    implementation: str = "auto", precision=None, extra_weights=None, rows_mma: bool | None = None,
                    rows_one_launch: bool = False, glu: bool = False, rows_per_token: int = 0,
-                   partial_rows: bool = False, extra_out_in: bool = False):
+                   partial_rows: bool = False, extra_out_in: bool = False, weights_out_in: bool = False):
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
-    and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all).
+    and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all);
+    with weights_out_in [E, N, K] (each group's matrix as torch's Linear.weight): where the Pallas kernel would run
+    its `rows` grid, `pallas_rows_out_in` (one output feature's contiguous weights per warp) reads them as stored;
+    elsewhere they are transposed to [E, K, N] first (a copy per call: the layout is for batch-1 decode).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1 (stored
     [X, N, K] with extra_out_in: read transposed), on the Pallas `rows` grid only (`extra_groups_supported`;
@@ -191,6 +191,12 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
     num_rows = product_rows(rows, rows_per_token, extra_weights is not None)
+    if weights_out_in:
+        outs = _rows_out_in(rows, weights, row_groups, implementation, num_rows, extra_weights=extra_weights,
+                            extra_out_in=extra_out_in, rows_per_token=rows_per_token, glu=glu)
+        if outs is not None:
+            return outs if several and not glu else outs[0]
+        weights = tuple(jnp.swapaxes(w, 1, 2) for w in weights)  # [E, K, N]
     chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
                                                                 weights[0].shape[2], num_rows):
@@ -213,6 +219,24 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
     if glu:
         return glu_output(*outs, rows.dtype)
     return outs if several else outs[0]
+
+
+def _rows_out_in(rows, weights, row_groups, implementation, num_rows, *, extra_weights, extra_out_in,
+                 rows_per_token, glu):
+    """`grouped_matmul` of [E, N, K] weights by `pallas_rows_out_in` where the Pallas `rows` grid would run (a tuple
+    of products; glu: one), else None."""
+    contract, out_dim = weights[0].shape[2], weights[0].shape[1]
+    if resolve(implementation, rows.dtype, contract, out_dim) != "pallas" or num_rows > ROWWISE_MAX_ROWS:
+        return None
+    from MaxText.kernels.grouped_matmul import pallas_rows_out_in  # pylint: disable=import-outside-toplevel
+    block_rows = pallas_rows_out_in.BLOCK_ROWS_GLU if glu else pallas_rows_out_in.BLOCK_ROWS
+    if pallas_rows_out_in.unsupported_reason(contract, out_dim, block_rows):
+        return None
+    rows = rows.materialize() if isinstance(rows, PartialRows) else rows
+    extras = () if extra_weights is None else tuple(
+        x if extra_out_in else jnp.swapaxes(x, 1, 2) for x in as_tuple(extra_weights)[0])  # [X, N, K]
+    return pallas_rows_out_in.grouped_matmul_out_in(rows, weights, row_groups, extra_weights=extras,
+                                                    rows_per_token=rows_per_token, glu=glu)
 
 
 def extra_groups_supported(implementation: str, rows_dtype, contract_dim: int, out_dim: int, num_rows: int) -> bool:
