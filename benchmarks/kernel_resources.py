@@ -117,6 +117,8 @@ def kernel_variants():
     variants["moe experts out_in down 9 rows"] = (pallas_rows_out_in.NUM_WARPS, 1, lambda h, d, sd, ids: (
         pallas_rows_out_in.grouped_matmul_out_in(h, (d,), ids, extra_weights=(sd,))), (
         S((9, 1024), bf), down_out_in, S((1, 2304, 1024), bf), S((8,), jnp.int32)))
+    variants["moe experts out_in gate 64 rows (tiles)"] = (4, 3, lambda *a: pallas_gmm.grouped_matmul(
+        *a, weights_out_in=True), (S((64, 2304), bf), gate_up_out_in, S((256,), jnp.int32), S((64,), jnp.int32)))
     verify = [S((1, 4, H, K), bf)] * 3 + [S((1, 4, H, K), f32), S((1, 4, H), bf), S((1, H, K, V), f32)]
     variants["verify 4 tokens"] = (4, 1, lambda *a: pallas_ops.recurrent_kda_checkpoints(
         *a[:5], initial_state=a[5]), verify)

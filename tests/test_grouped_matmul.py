@@ -704,8 +704,8 @@ def test_rows_out_in_streams_several_chunks_of_a_long_row():
 def test_dispatcher_reads_weights_stored_out_in(implementation, monkeypatch):
     """weights_out_in: the dispatcher's products of [E, N, K] weights equal those of the same matrices stored
     [E, K, N]; where the Pallas rows grid would run, pallas_rows_out_in reads them as stored (no transpose in the
-    program; the shared expert's extra arrays likewise, whichever layout they come in), elsewhere they are transposed
-    first."""
+    program; the shared expert's extra arrays are transposed only when they come [X, K, N]); gather reads them as
+    stored."""
     from MaxText.kernels.grouped_matmul import pallas_rows_out_in
     tokens, (gate, up, down), extras, routed, every_row = _fused_inputs_problem()
     sizes = jnp.bincount(routed, length=6).astype(jnp.int32)
@@ -741,7 +741,59 @@ def test_dispatcher_reads_weights_stored_out_in(implementation, monkeypatch):
             got = moe(tokens, "out_in")
         else:
             rows = gmm.token_rows(tokens, 3, extra_rows=False)
-            got = call(call(rows, (_out_in(gate), _out_in(up)), glu=True), _out_in(down))
+            stored = [_out_in(w) for w in (gate, up, down)]
+            got = call(call(rows, tuple(stored[:2]), glu=True), stored[2])
+            program = jax.make_jaxpr(lambda r: call(r, stored[0]))(rows).jaxpr
+            assert "transpose" not in {eqn.primitive.name for eqn in program.eqns}
             product = functools.partial(gather_matmul, row_groups=routed, precision=jax.lax.Precision.HIGHEST)
             want = product(jax.nn.silu(product(rows, gate)) * product(rows, up), down)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rowwise_max_rows,mma,glu", [(0, None, False), (0, None, True), (1000, False, False),
+                                                      (1000, True, True)])
+def test_both_grids_read_weights_stored_out_in(rowwise_max_rows, mma, glu):
+    """weights_out_in: the `tiles` grid (prefill) and the `rows` grid read [E, N, K] weights as stored, multiplying
+    their blocks transposed: the products of the same matrices stored [E, K, N]; a [E, K, N] array is refused by
+    shape."""
+    rows, gate, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 64, 48,
+                                             jnp.float32, seed=2)
+    weights = (gate, gate[:, ::-1] * 0.5 - 0.1) if glu else (gate,)
+    call = functools.partial(pallas_gmm.grouped_matmul, rows, group_sizes=sizes, row_groups=row_groups, block_k=32,
+                             rowwise_max_rows=rowwise_max_rows, rows_mma=mma, glu=glu, interpret=True)
+    want = call(weights=weights)
+    got = call(weights=tuple(_out_in(w) for w in weights), weights_out_in=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"expected weights \[E, N, 64\]"):
+        call(weights=weights, weights_out_in=True)
+
+
+def test_gradients_of_weights_stored_out_in_equal_the_gather_paths():
+    """Training on [E, N, K] experts (the `tiles` grid's forward, ragged_dot's backward of the transposed matrices):
+    the gradients of the gather oracle, the weights' in their stored layout."""
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
+                                                jnp.float32, seed=4)
+    cotangent = jnp.asarray(np.random.default_rng(5).normal(size=(rows.shape[0], 16)), jnp.float32)
+
+    def loss(fn):
+        return lambda r, w: jnp.sum(fn(r, w) * cotangent)
+    oracle = functools.partial(gather_matmul, row_groups=row_groups, precision=jax.lax.Precision.HIGHEST,
+                               weights_out_in=True)
+    stored = _out_in(weights)
+    want = jax.grad(loss(oracle), argnums=(0, 1))(rows, stored)
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(loss(lambda r, w: pallas_gmm.grouped_matmul(r, w, sizes, row_groups, weights_out_in=True,
+                                                                   interpret=True)), argnums=(0, 1))(rows, stored)
+    assert got[1].shape == stored.shape
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_dot_takes_weights_stored_out_in_transposed():
+    """ragged_dot (TPU, sharded GPUs) gets [E, N, K] weights transposed to [E, K, N]: the same products."""
+    rows, weights, sizes, row_groups = _problem(GROUP_SIZES["uneven, empty groups, groups over block_m"], 32, 16,
+                                                jnp.float32, seed=6)
+    call = functools.partial(gmm.grouped_matmul, rows, group_sizes=sizes, row_groups=row_groups,
+                             implementation="ragged_dot", precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(call(_out_in(weights), weights_out_in=True)), np.asarray(call(weights)),
+                               rtol=1e-6, atol=1e-6)

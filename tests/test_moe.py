@@ -294,8 +294,8 @@ def test_moe_gate_up_one_launch_reaches_the_gate_up_call(monkeypatch):
 def test_experts_stored_out_in_give_the_same_moe(num_tokens, kernel_calls, dense_layout, monkeypatch):
     """expert_kernel_layout out_in: the routed experts' params are [E, I, D] / [E, D, I]; with the same matrices the
     MoE's output is the in_out layout's. 3 tokens (15 rows with the shared expert's): gate / up and down by
-    pallas_rows_out_in (as on one GPU, interpreted); 5 tokens (20 routed rows): the experts transposed for the
-    Pallas tiles grid."""
+    pallas_rows_out_in (as on one GPU, interpreted); 5 tokens (20 routed rows): the Pallas tiles grid reading them
+    as stored."""
     from MaxText.kernels import grouped_matmul as gmm
     from MaxText.kernels.grouped_matmul import pallas_gmm, pallas_rows_out_in
     options = dict(emb_dim=32, moe_mlp_dim=16, num_experts=16, num_experts_per_tok=4, n_routing_groups=1,

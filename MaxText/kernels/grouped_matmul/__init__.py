@@ -15,8 +15,8 @@ Implementations:
               NVIDIA GPU only, and not under a multi-device mesh (XLA cannot partition a Pallas call; the sharded
               MoE keeps ragged_dot). Differentiable through ragged_dot's backward (training: fast forward only).
               Weights stored [E, N, K] (`weights_out_in`, config key `expert_kernel_layout: out_in`): for <= 16 rows
-              pallas_rows_out_in.py, one output feature's contiguous weights per warp (forward only); elsewhere
-              transposed to [E, K, N] first.
+              pallas_rows_out_in.py, one output feature's contiguous weights per warp (forward only); the `tiles`
+              grid and gather read them as stored too, ragged_dot gets them transposed to [E, K, N] (a copy).
   auto        on an NVIDIA GPU without a multi-device mesh: pallas (when its import and the shapes allow; else one
               log line and ragged_dot); ragged_dot on TPU and sharded GPUs; gather on CPU.
 
@@ -172,8 +172,9 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
     """See the module docstring. `weights` [E, K, N] or a tuple of such arrays sharing the rows (e.g. an MoE's gate
     and up projections; returns a tuple of products: the Pallas `tiles` grid reads each row block once for all);
     with weights_out_in [E, N, K] (each group's matrix as torch's Linear.weight): where the Pallas kernel would run
-    its `rows` grid, `pallas_rows_out_in` (one output feature's contiguous weights per warp) reads them as stored;
-    elsewhere they are transposed to [E, K, N] first (a copy per call: the layout is for batch-1 decode).
+    its `rows` grid, `pallas_rows_out_in` (one output feature's contiguous weights per warp) reads them as stored, as
+    do the Pallas `tiles` grid (its blocks multiplied transposed) and gather; ragged_dot gets them transposed to
+    [E, K, N] (a copy per call).
     `precision` applies to gather and ragged_dot; the Pallas kernel multiplies bf16 operands in one tensor-core pass
     and fp32 ones in 3-pass tf32. extra_weights: [X, K, N] per weight array for rows of groups E...E+X-1 (stored
     [X, N, K] with extra_out_in: read transposed), on the Pallas `rows` grid only (`extra_groups_supported`;
@@ -196,10 +197,10 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
                             extra_out_in=extra_out_in, rows_per_token=rows_per_token, glu=glu)
         if outs is not None:
             return outs if several and not glu else outs[0]
-        weights = tuple(jnp.swapaxes(w, 1, 2) for w in weights)  # [E, K, N]
-    chosen = resolve(implementation, rows.dtype, rows.shape[1], weights[0].shape[2])
+    out_dim = weights[0].shape[1 if weights_out_in else 2]
+    chosen = resolve(implementation, rows.dtype, rows.shape[1], out_dim)
     if extra_weights is not None and not extra_groups_supported(implementation, rows.dtype, rows.shape[1],
-                                                                weights[0].shape[2], num_rows):
+                                                                out_dim, num_rows):
         raise ValueError(f"extra_weights need the Pallas rows grid (at most {ROWWISE_MAX_ROWS} rows); "
                          f"moe_grouped_matmul={implementation!r} runs {chosen} for {num_rows} rows")
     if chosen != "pallas" or num_rows > ROWWISE_MAX_ROWS:  # only the Pallas rows grid reads these as they are
@@ -211,10 +212,14 @@ def grouped_matmul(rows, weights, group_sizes: jax.Array, row_groups: jax.Array,
         return pallas_gmm.grouped_matmul(rows, weights if several else weights[0], group_sizes, row_groups,
                                          extra_weights=extra_weights, rows_mma=rows_mma,
                                          rows_one_launch=rows_one_launch, glu=glu, rows_per_token=rows_per_token,
-                                         partial_rows=partial_rows, extra_out_in=extra_out_in)
-    product = (functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
-               if chosen == "ragged_dot" else
-               functools.partial(gather_matmul, row_groups=row_groups, precision=precision))
+                                         partial_rows=partial_rows, extra_out_in=extra_out_in,
+                                         weights_out_in=weights_out_in)
+    if chosen == "ragged_dot":
+        weights = tuple(jnp.swapaxes(w, 1, 2) for w in weights) if weights_out_in else weights  # [E, K, N]
+        product = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=precision)
+    else:
+        product = functools.partial(gather_matmul, row_groups=row_groups, precision=precision,
+                                    weights_out_in=weights_out_in)
     outs = tuple(product(rows, w) for w in weights)
     if glu:
         return glu_output(*outs, rows.dtype)

@@ -12,12 +12,15 @@ def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return gate * up / (1.0 + jnp.exp(-gate))
 
 
-def gather_matmul(rows: jax.Array, weights: jax.Array, row_groups: jax.Array, *, precision=None) -> jax.Array:
-    """rows [M, K], weights [E, K, N], row_groups [M] int32 -> [M, N]: row m times weights[row_groups[m]].
+def gather_matmul(rows: jax.Array, weights: jax.Array, row_groups: jax.Array, *, precision=None,
+                  weights_out_in: bool = False) -> jax.Array:
+    """rows [M, K], weights [E, K, N] ([E, N, K] with weights_out_in), row_groups [M] int32 -> [M, N]: row m times
+    weights[row_groups[m]].
 
     Work M*K*N whatever E, on any backend; it reads one [K, N] matrix per row (a group's matrix once per row of it),
     so it suits CPU and few rows, not long GPU prefills."""
-    return jnp.einsum("mk,mkn->mn", rows, jnp.take(weights, row_groups, axis=0), precision=precision)
+    return jnp.einsum("mk,mnk->mn" if weights_out_in else "mk,mkn->mn", rows, jnp.take(weights, row_groups, axis=0),
+                      precision=precision)
 
 
 def rows_out_in(rows: jax.Array, weights: tuple, row_groups: jax.Array, *, extra_weights: tuple = (),
@@ -33,11 +36,9 @@ def rows_out_in(rows: jax.Array, weights: tuple, row_groups: jax.Array, *, extra
     num_groups = weights[0].shape[0]
     groups = jnp.concatenate([row_groups, jnp.full((rows.shape[0] - row_groups.shape[0],), num_groups,
                                                    row_groups.dtype)])
-    outs = []
-    for i, w in enumerate(weights):
-        matrices = jnp.concatenate([w, extra_weights[i]]) if extra_weights else w  # [E (+ X), N, K]
-        outs.append(jnp.einsum("mk,mnk->mn", rows.astype(jnp.float32),
-                               jnp.take(matrices, groups, axis=0).astype(jnp.float32), precision=precision))
+    matrices = [jnp.concatenate([w, x]) for w, x in zip(weights, extra_weights)] if extra_weights else weights
+    outs = [gather_matmul(rows.astype(jnp.float32), m.astype(jnp.float32), groups, precision=precision,
+                          weights_out_in=True) for m in matrices]  # [E (+ X), N, K] each
     if glu:
         return (silu_glu(*outs).astype(rows.dtype),)
     return tuple(out.astype(rows.dtype) for out in outs)

@@ -125,7 +125,7 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
 
 
 def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k, block_n, k_blocks, num_weights,
-                glu, precise, masked_rows, interpret):
+                glu, precise, masked_rows, weights_out_in, interpret):
     w_refs, out_refs = refs[:num_weights], refs[num_weights:]  # one output per weight array (glu: one)
     # split: this program's K blocks are [split * k_blocks, (split + 1) * k_blocks)
     tile, col_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -143,7 +143,8 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
                 x = pltriton.load(rows_ref.at[row_block, ks], mask=owned[:, None], other=0)  # [BM, BK]
             else:  # padded rows: rows past the group are computed and not stored
                 x = rows_ref[row_block, ks]  # [BM, BK]
-            return tuple(acc + dot(x, w_ref[group, ks, cols], precise=precise, interpret=interpret)  # [BM, BN]
+            return tuple(acc + dot(x, w_ref[group, cols, ks] if weights_out_in else w_ref[group, ks, cols],
+                                   trans_b=weights_out_in, precise=precise, interpret=interpret)  # [BM, BN]
                          for acc, w_ref in zip(accs, w_refs))
 
         accs = lax.fori_loop(0, k_blocks, body, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs))
@@ -157,13 +158,15 @@ def _rowwise_kernel(groups_ref, *refs, **options):
 
 
 def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_inputs, num_weights, num_groups, mma,
-                     glu, partial_rows, rows_per_token, listed_rows, interpret, extra_out_in=False):
+                     glu, partial_rows, rows_per_token, listed_rows, interpret, extra_out_in=False,
+                     weights_out_in=False):
     """One program of the `rows` grid, ids = (row, column block, K split). refs: `num_inputs` row refs (the rows, or
     with partial_rows the parts [S, M, K] of PartialRows), then `num_weights` weight refs, then (with extra weights) one
     extra weight ref per weight, then the outputs (one per weight; glu: one). Each program multiplies its row by
     every weight array's [K / split_k, block_n] block in one loop over K (the row loaded once for all); a row of
     group g >= num_groups uses the extra weights' matrix g - num_groups (stored [X, N, K] with extra_out_in: its
-    [block_n, BK] blocks multiplied transposed), and rows past the `listed_rows` of
+    [block_n, BK] blocks multiplied transposed; the weights likewise with weights_out_in), and rows past the
+    `listed_rows` of
     groups_ref (None: all) are of group num_groups. rows_per_token > 0: the rows are tokens, row r < T *
     rows_per_token reads token r // rows_per_token and the extra rows after them token r - T * rows_per_token
     (`token_rows`). mma: each K block as a tensor-core product of a 16-row tile holding the row in row 0 (zeros
@@ -212,10 +215,10 @@ def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_i
             out_ref[split, row, cols] = acc.astype(out_ref.dtype)
 
     if not extra_refs:
-        multiply(w_refs, group)
+        multiply(w_refs, group, weights_out_in)
         return
     extra = group >= num_groups
-    pl.when(jnp.logical_not(extra))(functools.partial(multiply, w_refs, group))
+    pl.when(jnp.logical_not(extra))(functools.partial(multiply, w_refs, group, weights_out_in))
     pl.when(extra)(functools.partial(multiply, extra_refs, group - num_groups, extra_out_in))
 
 
@@ -225,7 +228,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
                    rowwise_max_rows: int = ROWWISE_MAX_ROWS, rows_one_launch: bool = False,
                    rows_mma: bool | None = None, glu: bool = False, pad_rows: bool = True, extra_weights=None,
                    rows_per_token: int = 0, partial_rows: bool = False, extra_out_in: bool = False,
-                   interpret: bool = False):
+                   weights_out_in: bool = False, interpret: bool = False):
     """rows [M, K] sorted by group (any order on the `rows` grid), weights [E, K, N] (rows' dtype), group_sizes [E]
     int32 (sum M), row_groups [M] int32 (the same grouping) -> [M, N] in rows' dtype. `weights` may also be a tuple
     of such arrays (e.g. an MoE's gate and up projections; returns a tuple of products): the `tiles` grid reads each
@@ -251,6 +254,8 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     MoE's shared expert as one more row per token in the routed experts' launches (its weights are not copied into
     the [E, K, N] arrays). Forward only (decode). extra_out_in: the extra arrays are stored [X, N, K] (e.g. a
     shared expert's kernels in a dense_kernel_layout out_in model) and read transposed, without a copy.
+    weights_out_in: `weights` are stored [E, N, K] (each group's matrix as torch's Linear.weight; an MoE's experts
+    with expert_kernel_layout out_in) and read transposed, on either grid, without a copy.
     pad_rows: the `tiles` grid pads the rows by block_m so that every tile's row block lies inside the buffer; False
     reads and writes a single group of fewer than block_m rows with masks instead (no pad kernel before the launch).
     Forward only (the package's `grouped_matmul` documents them): rows as `PartialRows` (finished as each row is
@@ -264,7 +269,7 @@ def grouped_matmul(rows: jax.Array, weights, group_sizes: jax.Array, row_groups:
     options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                ("num_warps", num_warps), ("num_stages", num_stages), ("rowwise_max_rows", rowwise_max_rows),
                ("rows_one_launch", rows_one_launch), ("rows_mma", rows_mma), ("glu", glu), ("pad_rows", pad_rows),
-               ("interpret", interpret))
+               ("weights_out_in", weights_out_in), ("interpret", interpret))
     weights, several = as_tuple(weights)
     check_glu_weights(weights, glu)
     if extra_weights is None and not (rows_per_token or partial_rows or isinstance(rows, PartialRows)):
@@ -289,6 +294,8 @@ def _grouped_matmul_bwd(options, residuals, out_cotangents):
     rows, weights, group_sizes = residuals
 
     def products(r, ws):
+        if dict(options)["weights_out_in"]:
+            ws = tuple(jnp.swapaxes(w, 1, 2) for w in ws)  # [E, K, N] (the gradient comes back [E, N, K])
         outs = tuple(lax.ragged_dot(r, w, group_sizes) for w in ws)
         return (glu_output(*outs, r.dtype),) if dict(options)["glu"] else outs
 
@@ -301,22 +308,24 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k, split_k, num_warps, num_stages,
             rowwise_max_rows, rows_one_launch, rows_mma, glu, pad_rows, interpret, extra_weights=(),
-            rows_per_token=0, partial_rows=False, extra_out_in=False):
-    """weights: a tuple of [E, K, N] arrays (extra_weights: () or one [X, K, N] array per weight array, [X, N, K]
-    with extra_out_in, `rows` grid only) -> a tuple of [M, N] products (glu: one array; partial_rows: PartialRows
-    where they need finishing)."""
+            rows_per_token=0, partial_rows=False, extra_out_in=False, weights_out_in=False):
+    """weights: a tuple of [E, K, N] arrays ([E, N, K] with weights_out_in; extra_weights: () or one [X, K, N] array
+    per weight array, [X, N, K] with extra_out_in, `rows` grid only) -> a tuple of [M, N] products (glu: one array;
+    partial_rows: PartialRows where they need finishing)."""
     num_rows = product_rows(rows, rows_per_token, bool(extra_weights))
     contract = rows.shape[1]
-    num_groups, _, out_dim = weights[0].shape
+    num_groups, out_dim = weights[0].shape[0], weights[0].shape[1 if weights_out_in else 2]
     reason = unsupported_reason(rows.dtype, contract, out_dim)
     if reason:
         raise ValueError(reason)
     listed = row_groups.shape[0] if row_groups.ndim == 1 else -1
-    if (any(w.shape != (num_groups, contract, out_dim) for w in weights) or group_sizes.shape != (num_groups,)
+    matrix = (out_dim, contract) if weights_out_in else (contract, out_dim)
+    if (any(w.shape != (num_groups, *matrix) for w in weights) or group_sizes.shape != (num_groups,)
             or not (listed == num_rows or extra_weights and 0 < listed < num_rows)):
-        raise ValueError(f"expected weights [E, {contract}, N] (all of one shape), group_sizes [E] and row_groups "
-                         f"[{num_rows}] (with extra weights: at least one row), got {[w.shape for w in weights]}, "
-                         f"{group_sizes.shape} and {row_groups.shape}")
+        names = "[E, N, {0}]" if weights_out_in else "[E, {0}, N]"
+        raise ValueError(f"expected weights {names.format(contract)} (all of one shape), group_sizes [E] and "
+                         f"row_groups [{num_rows}] (with extra weights: at least one row), got "
+                         f"{[w.shape for w in weights]}, {group_sizes.shape} and {row_groups.shape}")
     extra_shape = (out_dim, contract) if extra_out_in else (contract, out_dim)
     if extra_weights and (len(extra_weights) != len(weights)
                           or any(x.ndim != 3 or x.shape[1:] != extra_shape for x in extra_weights)):
@@ -351,7 +360,8 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         outs = _rowwise_partials(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
                                  params=params, one_launch=rows_one_launch, mma=rows_mma, glu=glu_in_kernel,
                                  interpret=interpret, extra_weights=extra_weights, num_rows=num_rows,
-                                 rows_per_token=rows_per_token, extra_out_in=extra_out_in)
+                                 rows_per_token=rows_per_token, extra_out_in=extra_out_in,
+                                 weights_out_in=weights_out_in)
     else:
         group, start, end = tile_schedule(group_sizes, num_rows, block_m)
         # A tile's block of rows may run past M: pad so that every [start, start + block_m) lies inside the buffers,
@@ -363,7 +373,7 @@ def _launch(rows, weights, group_sizes, row_groups, *, block_m, block_n, block_k
         kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
                                    k_blocks=contract // block_k // split_k, num_weights=len(weights),
                                    glu=glu_in_kernel, precise=rows.dtype == jnp.float32, masked_rows=masked_rows,
-                                   interpret=interpret)
+                                   weights_out_in=weights_out_in, interpret=interpret)
         out_shape = jax.ShapeDtypeStruct((split_k, padded.shape[0], out_dim), _partial_dtype(rows.dtype, split_k))
         outs = pl.pallas_call(
             kernel,
@@ -388,33 +398,35 @@ def _partial_dtype(rows_dtype, split_k: int):
 
 
 def _rowwise_options(rows, weights, row_groups, *, block_k, block_n, split_k, one_launch, mma, glu, num_rows,
-                     rows_per_token, interpret, extra_out_in=False) -> dict:
+                     rows_per_token, interpret, extra_out_in=False, weights_out_in=False) -> dict:
     """`_rowwise_program`'s options for a `rows` grid launch (as `_rowwise_partials` takes its arguments)."""
     listed = row_groups.shape[0]
     return dict(block_k=block_k, block_n=block_n, k_blocks=rows.shape[1] // block_k // split_k,
                 num_inputs=len(rows.parts) if isinstance(rows, PartialRows) else 1,
                 num_weights=len(weights) if one_launch else 1, num_groups=weights[0].shape[0], mma=mma, glu=glu,
                 partial_rows=isinstance(rows, PartialRows), rows_per_token=rows_per_token,
-                listed_rows=None if listed == num_rows else listed, interpret=interpret, extra_out_in=extra_out_in)
+                listed_rows=None if listed == num_rows else listed, interpret=interpret, extra_out_in=extra_out_in,
+                weights_out_in=weights_out_in)
 
 
 def _rowwise_partials(rows, weights, row_groups, *, block_k, block_n, split_k, params, one_launch, interpret,
                       mma=False, glu=False, extra_weights=(), num_rows=None, rows_per_token=0, out_dtype=None,
-                      extra_out_in=False):
+                      extra_out_in=False, weights_out_in=False):
     """The `rows` grid: a tuple of [split_k, M, N] products, one per weight array (float32 when split_k > 1, else in
     rows' dtype): one launch per weight array, or with one_launch a single kernel for all of them (glu, one_launch
-    and split_k 1 only: one silu_glu output instead). extra_weights: () or one [X, K, N] array per weight array, for
-    rows of groups E...E+X-1 ([X, N, K] with extra_out_in). rows: an array or PartialRows; num_rows: the product
-    rows M (default rows'); rows_per_token: `grouped_matmul`'s; out_dtype: the products' (default
-    `_partial_dtype`)."""
+    and split_k 1 only: one silu_glu output instead); weights [E, N, K] with weights_out_in. extra_weights: () or
+    one [X, K, N] array per weight array, for rows of groups E...E+X-1 ([X, N, K] with extra_out_in). rows: an
+    array or PartialRows; num_rows: the product rows M (default rows'); rows_per_token: `grouped_matmul`'s;
+    out_dtype: the products' (default `_partial_dtype`)."""
     num_rows = num_rows or rows.shape[0]
-    out_dim = weights[0].shape[2]
+    out_dim = weights[0].shape[1 if weights_out_in else 2]
     per_launch = len(weights) if one_launch else 1
     inputs = rows.parts if isinstance(rows, PartialRows) else (rows,)
     out_shape = jax.ShapeDtypeStruct((split_k, num_rows, out_dim), out_dtype or _partial_dtype(rows.dtype, split_k))
     options = _rowwise_options(rows, weights, row_groups, block_k=block_k, block_n=block_n, split_k=split_k,
                                one_launch=one_launch, mma=mma, glu=glu, num_rows=num_rows,
-                               rows_per_token=rows_per_token, interpret=interpret, extra_out_in=extra_out_in)
+                               rows_per_token=rows_per_token, interpret=interpret, extra_out_in=extra_out_in,
+                               weights_out_in=weights_out_in)
     call = pl.pallas_call(
         functools.partial(_rowwise_kernel, **options),
         out_shape=(out_shape,) * (1 if glu else per_launch),
