@@ -797,3 +797,11 @@ def test_ragged_dot_takes_weights_stored_out_in_transposed():
                              implementation="ragged_dot", precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(call(_out_in(weights), weights_out_in=True)), np.asarray(call(weights)),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_rows_out_in_refuses_unlisted_rows_without_extra_weights():
+    """Rows past row_groups are of extra group 0: without extra weights every row must be listed (named error)."""
+    from MaxText.kernels.grouped_matmul import pallas_rows_out_in
+    rows, weights, _, row_groups = _problem([0, 1, 1, 0, 2], 64, 16, jnp.float32)
+    with pytest.raises(ValueError, match=r"expected row_groups \[4\] .* got \(3,\)"):
+        pallas_rows_out_in.grouped_matmul_out_in(rows, (_out_in(weights),), row_groups[:3], interpret=True)

@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from MaxText.kernels.grouped_matmul.naive import gather_matmul, silu_glu
+from MaxText.kernels.grouped_matmul.naive import gather_matmul, silu_glu, token_rows
 
 CHOICES = ("auto", "ragged_dot", "gather", "pallas")
 # The Pallas kernel's `rows` grid (vector-matrix, any row order) up to this many rows, its `tiles` grid above
@@ -148,14 +148,6 @@ def finished_rows(sums, dtype) -> jax.Array:
     float32)."""
     sums = [part_sum.astype(jnp.float32) for part_sum in sums]
     return (sums[0] if len(sums) == 1 else silu_glu(*sums)).astype(dtype)
-
-
-def token_rows(tokens: jax.Array, rows_per_token: int, extra_rows: bool) -> jax.Array:
-    """The product rows that `rows_per_token` stands for: each token's row `rows_per_token` times (token-major, rows
-    [T * rows_per_token, K]), then with `extra_rows` every token once more (rows [T * (rows_per_token + 1), K]: an
-    MoE's shared-expert rows)."""
-    rows = jnp.repeat(tokens, rows_per_token, axis=0)
-    return jnp.concatenate([rows, tokens]) if extra_rows else rows
 
 
 def product_rows(rows, rows_per_token: int, extra_rows: bool) -> int:

@@ -12,6 +12,14 @@ def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return gate * up / (1.0 + jnp.exp(-gate))
 
 
+def token_rows(tokens: jax.Array, rows_per_token: int, extra_rows: bool) -> jax.Array:
+    """The product rows that `rows_per_token` stands for: each token's row `rows_per_token` times (token-major, rows
+    [T * rows_per_token, K]), then with `extra_rows` every token once more (rows [T * (rows_per_token + 1), K]: an
+    MoE's shared-expert rows)."""
+    rows = jnp.repeat(tokens, rows_per_token, axis=0)
+    return jnp.concatenate([rows, tokens]) if extra_rows else rows
+
+
 def gather_matmul(rows: jax.Array, weights: jax.Array, row_groups: jax.Array, *, precision=None,
                   weights_out_in: bool = False) -> jax.Array:
     """rows [M, K], weights [E, K, N] ([E, N, K] with weights_out_in), row_groups [M] int32 -> [M, N]: row m times
@@ -31,8 +39,7 @@ def rows_out_in(rows: jax.Array, weights: tuple, row_groups: jax.Array, *, extra
     one [X, N, K] array per weight array, row_groups [L] int32 (rows from L on are of group E: extra matrix 0) ->
     one [M, N] product per weight array in rows' dtype (glu: the one array SiLU(gate) * up, computed in float32)."""
     if rows_per_token:
-        routed = jnp.repeat(rows, rows_per_token, axis=0)
-        rows = jnp.concatenate([routed, rows]) if extra_weights else routed
+        rows = token_rows(rows, rows_per_token, bool(extra_weights))
     num_groups = weights[0].shape[0]
     groups = jnp.concatenate([row_groups, jnp.full((rows.shape[0] - row_groups.shape[0],), num_groups,
                                                    row_groups.dtype)])

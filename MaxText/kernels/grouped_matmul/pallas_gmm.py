@@ -152,6 +152,21 @@ def _gmm_kernel(group_ref, start_ref, end_ref, rows_ref, *refs, block_m, block_k
             pltriton.store(out_ref.at[split, row_block, cols], acc.astype(out_ref.dtype), mask=owned[:, None])
 
 
+def row_group_and_source(row, groups_ref, listed_rows, num_groups, rows_per_token, num_tokens):
+    """A few-row program's (group, input row) for product row `row`: the group groups_ref lists for it, or
+    `num_groups` (extra matrix 0) for rows past `listed_rows` (None: every row listed); with rows_per_token the
+    token it stands for (row r < T * rows_per_token reads token r // rows_per_token, the extra rows after them token
+    r - T * rows_per_token, `token_rows`), else the row itself."""
+    if listed_rows is None:
+        group = groups_ref[row]
+    else:
+        group = jnp.where(row < listed_rows, groups_ref[jnp.minimum(row, listed_rows - 1)], num_groups)
+    if not rows_per_token:
+        return group, row
+    routed = num_tokens * rows_per_token
+    return group, jnp.where(row < routed, row // rows_per_token, row - routed)
+
+
 def _rowwise_kernel(groups_ref, *refs, **options):
     """The `rows` grid's kernel: program (row, column block, K split) is `_rowwise_program`'s."""
     _rowwise_program((pl.program_id(0), pl.program_id(1), pl.program_id(2)), groups_ref, refs, **options)
@@ -176,14 +191,8 @@ def _rowwise_program(ids, groups_ref, refs, *, block_k, block_n, k_blocks, num_i
     row_refs, refs = refs[:num_inputs], refs[num_inputs:]
     w_refs, extra_refs, out_refs = refs[:num_weights], refs[num_weights:-num_outputs], refs[-num_outputs:]
     row, col_block, split = ids
-    if listed_rows is None:
-        group = groups_ref[row]
-    else:
-        group = jnp.where(row < listed_rows, groups_ref[jnp.minimum(row, listed_rows - 1)], num_groups)
-    source = row  # the row of the input this program reads
-    if rows_per_token:
-        routed = row_refs[0].shape[-2] * rows_per_token
-        source = jnp.where(row < routed, row // rows_per_token, row - routed)
+    group, source = row_group_and_source(row, groups_ref, listed_rows, num_groups, rows_per_token,
+                                         row_refs[0].shape[-2])  # source: the row of the input this program reads
     cols = pl.ds(col_block * block_n, block_n)
     dtype = w_refs[0].dtype
 

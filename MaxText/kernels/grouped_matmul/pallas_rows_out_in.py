@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from MaxText.kernels.grouped_matmul.naive import silu_glu
+from MaxText.kernels.grouped_matmul import check_glu_weights, product_rows, silu_glu
+from MaxText.kernels.grouped_matmul.pallas_gmm import BLOCK_CHOICES, row_group_and_source
 
 CHUNK = 256  # columns of K per load (a power of two down to 16 where K is not a multiple)
 CHUNKS_AHEAD = 3  # chunks loaded before the current chunk's FMAs (2 and 5 timed within 0.3 us of it)
@@ -39,7 +40,7 @@ NUM_WARPS = 1  # (down with 2 features on 2 warps, or 4 on 4: 15.2 us)
 
 def chunk_for(contract_dim: int) -> int | None:
     """The K chunk: CHUNK, or the largest power of two from 16 up that divides K; None when none does."""
-    return next((c for c in (CHUNK, 128, 64, 32, 16) if contract_dim % c == 0), None)
+    return next((c for c in (CHUNK, *BLOCK_CHOICES) if contract_dim % c == 0), None)
 
 
 def unsupported_reason(contract_dim: int, out_dim: int, block_rows: int) -> str | None:
@@ -57,11 +58,8 @@ def _kernel(groups_ref, rows_ref, *refs, num_weights, num_outputs, has_extra, li
     extra_refs = refs[num_weights:2 * num_weights] if has_extra else ()
     program = pl.program_id(0)
     row, first = program // blocks, (program % blocks) * block_rows
-    source = row  # the row of `rows` this program reads
-    if rows_per_token:
-        routed = num_tokens * rows_per_token
-        source = jnp.where(row < routed, row // rows_per_token, row - routed)
-    group = jnp.where(row < listed, groups_ref[jnp.minimum(row, listed - 1)], num_groups)
+    group, source = row_group_and_source(row, groups_ref, listed, num_groups, rows_per_token,
+                                         num_tokens)  # source: the row of `rows` this program reads
     features = pl.ds(first, block_rows)
     num_chunks = w_refs[0].shape[-1] // chunk
 
@@ -90,31 +88,31 @@ def grouped_matmul_out_in(rows: jax.Array, weights: tuple, row_groups: jax.Array
                           num_warps: int = NUM_WARPS, chunks_ahead: int = CHUNKS_AHEAD,
                           interpret: bool = False) -> tuple:
     """See the module docstring: rows [M, K] (rows_per_token: [T, K] tokens), weights a tuple of [E, N, K] arrays,
-    extra_weights () or one [X, N, K] array per weight array, row_groups [L] int32 (L <= M; values < E + X) ->
-    a tuple of [M, N] products in rows' dtype (glu: one). block_rows: output features a program (default
-    BLOCK_ROWS_GLU with glu, else BLOCK_ROWS). Forward only (decode)."""
+    extra_weights () or one [X, N, K] array per weight array, row_groups [L] int32 (L = M, or with extra weights
+    0 < L <= M; values < E + X) -> a tuple of [M, N] products in rows' dtype (glu: one). block_rows: output
+    features a program (default BLOCK_ROWS_GLU with glu, else BLOCK_ROWS). Forward only (decode)."""
     num_groups, out_dim, contract = weights[0].shape
     if any(w.shape != weights[0].shape for w in weights) or rows.shape[-1] != contract:
         raise ValueError(f"expected rows [M, {contract}] and weights of one shape [E, N, K], got rows {rows.shape} "
                          f"and weights {[w.shape for w in weights]}")
     if extra_weights and len(extra_weights) != len(weights):
         raise ValueError(f"expected one extra array per weight array, got {len(extra_weights)} for {len(weights)}")
-    if glu and len(weights) != 2:
-        raise ValueError(f"glu multiplies by (gate, up): expected two weight arrays, got {len(weights)}")
+    check_glu_weights(weights, glu)
     block_rows = block_rows or (BLOCK_ROWS_GLU if glu else BLOCK_ROWS)
     reason = unsupported_reason(contract, out_dim, block_rows)
     if reason:
         raise ValueError(reason)
-    num_tokens = rows.shape[0]
-    num_rows = num_tokens * rows_per_token + (num_tokens if extra_weights else 0) if rows_per_token else num_tokens
+    num_rows = product_rows(rows, rows_per_token, bool(extra_weights))
     listed = row_groups.shape[0]
-    if listed > num_rows:
-        raise ValueError(f"row_groups lists {listed} rows, more than the {num_rows} product rows")
+    if not (listed == num_rows or extra_weights and 0 < listed < num_rows):
+        raise ValueError(f"expected row_groups [{num_rows}] (with extra weights: at least one row, the rows past them "
+                         f"of extra group 0), got {row_groups.shape}")
     blocks = out_dim // block_rows
     num_outputs = 1 if glu else len(weights)
     kernel = functools.partial(
-        _kernel, num_weights=len(weights), num_outputs=num_outputs, has_extra=bool(extra_weights), listed=listed,
-        num_groups=num_groups, rows_per_token=rows_per_token, num_tokens=num_tokens, block_rows=block_rows,
+        _kernel, num_weights=len(weights), num_outputs=num_outputs, has_extra=bool(extra_weights),
+        listed=None if listed == num_rows else listed, num_groups=num_groups, rows_per_token=rows_per_token,
+        num_tokens=rows.shape[0], block_rows=block_rows,
         chunk=chunk_for(contract), chunks_ahead=chunks_ahead, blocks=blocks, glu=glu)
     return tuple(pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((num_rows, out_dim), rows.dtype),) * num_outputs,
